@@ -1,0 +1,86 @@
+"Window-size schedules: a constant, a `{epoch: value}` mapping, or a fastai-style function of training progress"
+from __future__ import annotations
+import math
+from collections.abc import Mapping
+from numbers import Integral, Real
+
+__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr']
+
+def _whole(v, name:str, where:str)->int:
+    "`v` as an int >= 1, or a `ValueError`/`TypeError` naming `name`"
+    if isinstance(v, bool) or not isinstance(v, Integral):
+        raise TypeError(f"`{name}` must be a whole number >= 1{where}, got {v!r} ({type(v).__name__})")
+    if v < 1: raise ValueError(f"`{name}` must be >= 1{where}, got {v}")
+    return int(v)
+
+class WindowSchedule:
+    "The window size (micro-batches or items) in force at a point of training: `sched(pct_train, epoch) -> int`"
+    def __init__(self, value, name:str):
+        self.name,self.value = name,value
+        if isinstance(value, Mapping):
+            if not value: raise ValueError(f"`{name}` mapping is empty: give at least {{0: value}}")
+            for k in value:
+                if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:
+                    raise TypeError(f"`{name}` mapping keys must be epochs (whole numbers >= 0), got {k!r}")
+            if 0 not in value: raise ValueError(f"`{name}` mapping must give the value for epoch 0, got keys {sorted(value)}")
+            self.table = sorted((int(k), _whole(v, name, f' (value for epoch {k})')) for k,v in value.items())
+            self.kind = 'epochs'
+        elif callable(value):
+            self.kind,self.fn = 'fn',value
+            for i in range(101): self._from_fn(i/100)  # validate over the whole of training, at construction
+        else:
+            self.const,self.kind = _whole(value, name, ''),'const'
+
+    def _from_fn(self, pct:float)->int:
+        try: v = float(self.fn(pct))
+        except Exception as e: raise ValueError(f"`{self.name}` schedule failed at pct={pct:.2f}: {e}") from e
+        if not math.isfinite(v): raise ValueError(f"`{self.name}` schedule gave {v} at pct={pct:.2f}")
+        r = int(round(v))
+        if r < 1: raise ValueError(f"`{self.name}` schedule gave {v} at pct={pct:.2f}, which rounds to {r}: values must round to >= 1")
+        return r
+
+    def __call__(self, pct:float=0., epoch:int=0)->int:
+        if self.kind == 'const': return self.const
+        if self.kind == 'fn': return self._from_fn(min(max(pct, 0.), 1.))
+        return [v for k,v in self.table if k <= epoch][-1]
+
+    @property
+    def is_constant(self)->bool: return self.kind == 'const'
+    def max(self)->int:
+        "The largest value the schedule can take (probed at 101 points for functions)"
+        if self.kind == 'const': return self.const
+        if self.kind == 'epochs': return max(v for _,v in self.table)
+        return max(self._from_fn(i/100) for i in range(101))
+    def __repr__(self): return f"WindowSchedule({self.name}={self.value!r})"
+
+def as_window_schedule(value, name:str)->WindowSchedule|None:
+    "`None` stays `None`; anything else becomes a validated `WindowSchedule`"
+    return None if value is None else WindowSchedule(value, name)
+
+def batch_growth_from_lr(lr_sched, base:int, max_value:int|None=None, name:str='n_step'):
+    """Turn a learning-rate decay schedule into the equivalent batch-growth schedule (Smith et al., ICLR 2018):
+    where the learning rate would have fallen by a factor f, the window grows by f instead, capped at `max_value`.
+
+    `lr_sched` is a fastai-style function of training progress (`SchedExp(1e-2, 1e-3)`, `combine_scheds(...)`)
+    or an `{epoch: lr}` mapping; `base` is the window at the start. Returns a value for `n_step`/`target_bs`:
+    a function of progress, or an `{epoch: window}` mapping when given a mapping.
+
+    >>> batch_growth_from_lr({0: 0.1, 3: 0.01}, base=2, max_value=16)
+    {0: 2, 3: 16}
+    """
+    base = _whole(base, 'base', '')
+    if max_value is not None: max_value = _whole(max_value, 'max_value', '')
+    cap = (lambda v: v) if max_value is None else (lambda v: min(v, max_value))
+    if isinstance(lr_sched, Mapping):
+        if 0 not in lr_sched: raise ValueError("`lr_sched` mapping must give the learning rate for epoch 0")
+        lr0 = float(lr_sched[0])
+        for k,lr in lr_sched.items():
+            if not (float(lr) > 0): raise ValueError(f"`lr_sched` must be > 0 everywhere, got {lr} at epoch {k}")
+        return {int(k): cap(max(1, int(round(base*lr0/float(lr))))) for k,lr in sorted(lr_sched.items())}
+    if not callable(lr_sched): raise TypeError(f"`lr_sched` must be a function of progress or an {{epoch: lr}} mapping, got {lr_sched!r}")
+    lr0 = float(lr_sched(0.))
+    for i in range(101):
+        if not (float(lr_sched(i/100)) > 0): raise ValueError(f"`lr_sched` must be > 0 everywhere, got {lr_sched(i/100)} at pct={i/100:.2f}")
+    def _grow(pct): return cap(max(1, int(round(base*lr0/float(lr_sched(pct))))))
+    _grow.__doc__ = f"{name} grown as the learning rate would have decayed, from {base}" + (f", capped at {max_value}" if max_value else "")
+    return _grow

@@ -1,0 +1,59 @@
+"Small learners and a spy callback that checks every optimizer step against the one-large-batch gradient"
+import copy
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.callback.core import Callback
+from fastai.learner import Learner
+from fastai.optimizer import SGD
+
+from accum_callback import GradientAccumulation
+
+def make_data(n, n_in=5, n_out=3, seed=0, classify=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=g)
+    if classify: y = torch.randint(0, n_out, (n,), generator=g)
+    else: y = x @ torch.randn(n_in, n_out, generator=g) + 0.1*torch.randn(n, n_out, generator=g)
+    return TensorDataset(x, y)
+
+def make_dls(ds, bs, valid=None, shuffle=False, drop_last=False):
+    valid = valid if valid is not None else TensorDataset(*[t[:8] for t in ds.tensors])
+    return DataLoaders(DataLoader(ds, bs=bs, shuffle=shuffle, drop_last=drop_last),
+                       DataLoader(valid, bs=bs), device='cpu')
+
+class MLP(nn.Module):
+    def __init__(self, n_in=5, n_hidden=16, n_out=3, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1,self.l2 = nn.Linear(n_in, n_hidden),nn.Linear(n_hidden, n_out)
+    def forward(self, x): return self.l2(torch.tanh(self.l1(x)))
+
+def make_learner(ds, bs, cbs=None, loss_func=F.mse_loss, opt_func=SGD, lr=0.1, seed=0, model=None, **kw):
+    n_in,n_out = ds.tensors[0].shape[1], (ds.tensors[1].shape[1] if ds.tensors[1].ndim > 1 else 3)
+    model = model if model is not None else MLP(n_in=n_in, n_out=n_out, seed=seed)
+    learn = Learner(make_dls(ds, bs, **kw), model, loss_func=loss_func, opt_func=opt_func, lr=lr, cbs=cbs)
+    learn.recorder.train_metrics = False
+    return learn
+
+def flat(ts): return torch.cat([t.reshape(-1) for t in ts])
+def rel_err(a, b): return ((a-b).norm()/b.norm().clamp_min(1e-30)).item()
+
+class WindowSpy(Callback):
+    """Placed right after `GradientAccumulation`: at every optimizer step, recompute the gradient of the mean loss over
+    all the window's samples in one batch (with the weights the step starts from) and record the relative error"""
+    order = GradientAccumulation.order+1
+    run_valid = False
+    def __init__(self, big_loss=None): self.big_loss = big_loss
+    def before_fit(self): self.buf,self.errs,self.windows = [],[],[]
+    def after_backward(self): self.buf.append((self.xb, self.yb))
+    def before_step(self):
+        xb = [torch.cat([b[0][i] for b in self.buf]) for i in range(len(self.xb))]
+        yb = [torch.cat([b[1][i] for b in self.buf]) for i in range(len(self.yb))]
+        m = copy.deepcopy(self.model); m.zero_grad()
+        loss = (self.big_loss or self.loss_func)(m(*xb), *yb); loss.backward()
+        ref = flat([p.grad for p in m.parameters()])
+        got = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()])
+        self.errs.append(rel_err(got, ref)); self.windows.append(len(yb[0]))
+    def after_batch(self):
+        if self.learn.gradient_accumulation._mb == 0: self.buf = []
