@@ -57,3 +57,23 @@ class WindowSpy(Callback):
         self.errs.append(rel_err(got, ref)); self.windows.append(len(yb[0]))
     def after_batch(self):
         if self.learn.gradient_accumulation._mb == 0: self.buf = []
+
+def fit_quiet(learn, n_epoch, meth='fit', **kw):
+    "Fit without progress bars or printed tables (fastai's `no_bar` / `no_logging`)"
+    with learn.no_bar(), learn.no_logging(): getattr(learn, meth)(n_epoch, **kw)
+    return learn
+
+def expected_windows(n, bs, n_epoch, n_step=None, target_bs=None, partial='step'):
+    "Sizes (samples) of the windows that should be stepped, written from the contract alone"
+    batches = [bs]*(n//bs) + ([n % bs] if n % bs else [])
+    out,cur,k = [],0,0
+    for e in range(n_epoch):
+        for i,b in enumerate(batches):
+            cur += b; k += 1
+            full = k >= n_step if n_step else cur >= target_bs
+            last = i == len(batches)-1
+            if full or (last and partial == 'step'): out.append(cur); cur,k = 0,0
+            elif last and (partial == 'drop' or e == n_epoch-1): cur,k = 0,0
+    return out
+
+def grads_clean(model): return all(p.grad is None or not p.grad.abs().sum() for p in model.parameters())
