@@ -108,7 +108,10 @@ class GradientAccumulation(Callback):
     def before_batch(self):
         if self._mb == 0: self._win_target = self.sched(self.pct_train, self.epoch)
         self._bs = find_bs(self.yb if len(self.yb) else self.xb)
-        full = (self._mb+1 >= self._win_target) if self.n_step_sched is not None else (self._seen+self._bs >= self._win_target)
+        # DDP: every rank must decide alike before the forward pass, so `target_bs` counts micro-batches at the loader's
+        # batch size there (a rank's short last batch would otherwise close its window later than the other ranks')
+        seen,bs = (self._mb*self.dls.train.bs, self.dls.train.bs) if _is_ddp(self.model) else (self._seen, self._bs)
+        full = (self._mb+1 >= self._win_target) if self.n_step_sched is not None else (seen+bs >= self._win_target)
         last = self.iter == self.n_iter-1
         if full: self._action = 'step'
         elif not last: self._action = None
