@@ -1,0 +1,393 @@
+"BatchNorm under gradient accumulation: pooled running statistics, the momentum rule, frozen statistics, GroupNorm, Batch Renorm"
+from __future__ import annotations
+import functools, warnings
+from numbers import Integral, Real
+
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+from fastai.callback.core import Callback, CancelEpochException, CancelFitException
+from fastcore.basics import store_attr
+
+from .accumulate import GradientAccumulation
+
+__all__ = ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'bn_to_groupnorm', 'bn_to_batchrenorm']
+
+BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
+_NEEDS_GA = ('pool', 'momentum')   # modes that read the window structure
+_CANCELS = (CancelEpochException, CancelFitException)  # fit goes on to `after_fit` after these
+
+def _whole(v, name:str, lo:int=1)->int:
+    if isinstance(v, bool) or not isinstance(v, Integral): raise TypeError(f"`{name}` must be an int >= {lo}, got {v!r}")
+    if v < lo: raise ValueError(f"`{name}` must be >= {lo}, got {v}")
+    return int(v)
+
+def _real(v, name:str, lo:float)->float:
+    if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
+    if not v >= lo: raise ValueError(f"`{name}` must be >= {lo}, got {v}")
+    return float(v)
+
+def accumulated_momentum(
+    m:float|None, # a BatchNorm momentum (None: cumulative average, left as is)
+    k:int, # micro-batches per optimizer step
+)->float|None:
+    """The per-micro-batch momentum whose `k` updates weigh the old running statistics as one update with `m` does:
+    `1-(1-m)**(1/k)`, so `(1-accumulated_momentum(m, k))**k == 1-m`.
+
+    >>> round(accumulated_momentum(0.1, 4), 6)
+    0.025996
+    """
+    k = _whole(k, 'k')
+    if m is None: return None
+    if isinstance(m, bool) or not isinstance(m, Real) or not 0 <= m <= 1: raise ValueError(f"`m` must be in [0, 1] or None, got {m!r}")
+    return 1 - (1-float(m))**(1/k)
+
+# -- module conversion ------------------------------------------------------------------------------------------------
+def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
+    "Replace each `_BatchNorm` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
+    memo = {} if memo is None else memo
+    if isinstance(module, _BatchNorm):
+        if id(module) not in memo: memo[id(module)] = fn(module, name or '<root>')
+        return memo[id(module)]
+    for n,child in list(module._modules.items()):   # not `named_children`, which skips a module's second name
+        if child is None: continue
+        new = _convert(child, fn, f'{name}.{n}' if name else n, memo)
+        if new is not child: module.add_module(n, new)
+    return module
+
+def _factory(bn)->dict:
+    t = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
+    return {} if t is None else dict(device=t.device, dtype=t.dtype)
+
+def _has_stats(bn)->bool:
+    "Does `bn` hold running statistics other than the ones it was initialised with?"
+    if bn.running_mean is None: return False
+    nbt = bn.num_batches_tracked
+    return bool((nbt is not None and nbt > 0) or bn.running_mean.ne(0).any() or bn.running_var.ne(1).any())
+
+def _groups(c:int, num_groups:int)->int: return max(g for g in range(1, min(c, num_groups)+1) if c % g == 0)
+
+def bn_to_groupnorm(
+    module:nn.Module, # a model (or a single BatchNorm layer)
+    num_groups:int=32, # most groups per layer: each layer gets the largest count <= this that divides its channels
+)->nn.Module:
+    """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `nn.GroupNorm`, in place, and return the root
+    (a new module only when `module` itself is a BatchNorm). The GroupNorm reuses the BatchNorm's own `weight` and `bias`
+    Parameter objects, so an optimizer, fastai param groups, freeze/unfreeze and discriminative learning rates built
+    on the model keep working; device, dtype, `training` and `requires_grad` are kept. Running statistics are
+    discarded: one warning when any were not at their initial values.
+
+    GroupNorm accepts `(N,C)` input too (a `BatchNorm1d` head): each group is then normalised over its `C/groups`
+    channels of one sample, so a group of one channel gives just the bias (a warning names such `BatchNorm1d` layers).
+
+    >>> from torchvision.models import resnet18
+    >>> m = bn_to_groupnorm(resnet18(weights=None))
+    >>> type(m.bn1).__name__, m.bn1.num_groups, m.layer4[0].bn2.num_channels
+    ('GroupNorm', 32, 512)
+    """
+    num_groups = _whole(num_groups, 'num_groups')
+    stats,single = [],[]
+    def fn(bn, name):
+        g = _groups(bn.num_features, num_groups)
+        gn = nn.GroupNorm(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
+        if bn.affine: gn.weight,gn.bias = bn.weight,bn.bias
+        gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
+        if _has_stats(bn): stats.append(name)
+        if isinstance(bn, nn.BatchNorm1d) and g == bn.num_features: single.append(name)
+        return gn.train(bn.training)
+    res = _convert(module, fn)
+    if stats: warnings.warn(f"bn_to_groupnorm: running statistics of {len(stats)} BatchNorm layer(s) (e.g. {stats[0]}) "
+                            "are discarded: GroupNorm normalises with per-sample statistics only", stacklevel=2)
+    if single: warnings.warn(f"bn_to_groupnorm: {single} got one channel per group: on (N,C) input such a GroupNorm "
+                             "outputs only its bias; give a smaller `num_groups`", stacklevel=2)
+    return res
+
+class BatchRenorm(nn.Module):
+    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, with BatchNorm's
+    parameters and buffers (same state-dict keys). Training normalises with the batch statistics corrected towards the
+    running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
+    clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`, `d_max` start at 1, 0
+    (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over `ramp` forwards."""
+    _version = 2
+    def __init__(self,
+        num_features:int, # channels C
+        eps:float=1e-5, # added to the variance
+        momentum:float|None=0.1, # running-statistics momentum (None: cumulative average), as in BatchNorm
+        affine:bool=True, # learn a per-channel weight and bias
+        track_running_stats:bool=True, # keep running statistics (else batch statistics always, as BatchNorm)
+        r_max:float=3., # largest std correction once ramped (>= 1)
+        d_max:float=5., # largest mean correction, in running stds, once ramped (>= 0)
+        warmup:int=0, # training forwards with r_max=1, d_max=0 (plain BatchNorm) first
+        ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
+        device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.num_features,self.eps,self.momentum = _whole(num_features, 'num_features'),eps,momentum
+        self.affine,self.track_running_stats = affine,track_running_stats
+        self.r_max,self.d_max = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.)
+        self.warmup,self.ramp = _whole(warmup, 'warmup', 0),_whole(ramp, 'ramp', 0)
+        self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
+        if affine: self.weight,self.bias = nn.Parameter(torch.ones(num_features, **kw)),nn.Parameter(torch.zeros(num_features, **kw))
+        else: self.register_parameter('weight', None); self.register_parameter('bias', None)
+        if track_running_stats:
+            self.register_buffer('running_mean', torch.zeros(num_features, **kw))
+            self.register_buffer('running_var', torch.ones(num_features, **kw))
+            self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            for b in ('running_mean', 'running_var', 'num_batches_tracked'): self.register_buffer(b, None)
+
+    def limits(self)->tuple[float,float]:
+        "`(r_max, d_max)` in force now"
+        t = self.renorm_steps - self.warmup
+        f = 0. if t < 0 else (1. if self.ramp == 0 else min(1., t/self.ramp))
+        return 1 + (self.r_max-1)*f, self.d_max*f
+
+    def forward(self, x:torch.Tensor)->torch.Tensor:
+        if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
+        if x.shape[1] != self.num_features: raise ValueError(f"BatchRenorm({self.num_features}) got {x.shape[1]} channels")
+        rm,rv = self.running_mean,self.running_var
+        if not (self.training and self.track_running_stats and rm is not None):
+            # BatchNorm's own paths: evaluation with running statistics, or batch statistics without them
+            use = not self.training or self.track_running_stats
+            return F.batch_norm(x, rm if use else None, rv if use else None, self.weight, self.bias,
+                                self.training or rm is None, 0., self.eps)
+        n = x.numel() // x.shape[1]
+        if n < 2: raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+        r_max,d_max = self.limits()
+        self.renorm_steps += 1
+        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        var,mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
+        std = (var + self.eps).sqrt()
+        with torch.no_grad():
+            rstd = (rv + self.eps).sqrt()
+            r = (std/rstd).clamp_(1/r_max, r_max)
+            d = ((mean-rm)/rstd).clamp_(-d_max, d_max)
+            self.num_batches_tracked.add_(1)
+            m = 1/float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            rm.lerp_(mean.detach().to(rm.dtype), m); rv.lerp_((var.detach()*(n/(n-1))).to(rv.dtype), m)
+        scale = r/std
+        shift = d - mean*scale
+        if self.affine: scale,shift = scale*self.weight, shift*self.weight + self.bias
+        shape = (1, -1) + (1,)*(x.dim()-2)
+        return torch.addcmul(shift.view(shape), xf, scale.view(shape)).to(x.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # as BatchNorm: state dicts from before `num_batches_tracked` existed load with a count of 0
+        key = prefix + 'num_batches_tracked'
+        if self.track_running_stats and key not in state_dict and (local_metadata.get('version') or 0) < 2:
+            state_dict[key] = self.num_batches_tracked if self.num_batches_tracked is not None else torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self)->str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}, r_max={self.r_max}, d_max={self.d_max}, "
+                f"warmup={self.warmup}, ramp={self.ramp}")
+
+def bn_to_batchrenorm(
+    module:nn.Module, # a model (or a single BatchNorm layer)
+    r_max:float=3., # largest std correction once ramped
+    d_max:float=5., # largest mean correction once ramped
+    warmup:int=0, # training forwards as plain BatchNorm first
+    ramp:int=5000, # training forwards over which the limits then grow from 1, 0 to `r_max`, `d_max`
+)->nn.Module:
+    """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `BatchRenorm`, in place, and return the root (a
+    new module only when `module` itself is a BatchNorm). The new layers reuse the BatchNorm's `weight`/`bias`
+    Parameter objects and its running-statistics buffers (pretrained statistics are kept, so the model's eval output
+    is unchanged) and keep eps, momentum, `training`, device and dtype.
+
+    >>> import torch
+    >>> from torchvision.models import resnet18
+    >>> m = resnet18(weights=None).eval(); x = torch.randn(2, 3, 32, 32); y = m(x)
+    >>> m = bn_to_batchrenorm(m, r_max=3., d_max=5., ramp=1000)
+    >>> torch.equal(m(x), y), type(m.bn1).__name__
+    (True, 'BatchRenorm')
+    """
+    kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
+    BatchRenorm(1, **kw)   # validate before touching the model
+    def fn(bn, name):
+        new = BatchRenorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
+        if bn.affine: new.weight,new.bias = bn.weight,bn.bias
+        new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked
+        return new.train(bn.training)
+    return _convert(module, fn)
+
+# -- the callback -----------------------------------------------------------------------------------------------------
+class BatchNormAccumulation(Callback):
+    """Make BatchNorm behave under gradient accumulation. `mode`:
+    'pool': one running-statistics update per optimizer step, from the statistics pooled over every micro-batch of the
+      window: the running statistics one large batch of the same samples leaves. The forward still normalises each
+      micro-batch with its own statistics (ghost batch norm). A window that is not stepped (dropped, skipped as
+      non-finite, step cancelled) updates nothing; a layer called several times per forward pools all calls.
+    'momentum': each BatchNorm momentum m becomes `accumulated_momentum(m, k)` during fit, k micro-batches per window.
+    'freeze': BatchNorm layers use their running statistics in training too; affine parameters train if `train_affine`.
+    'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
+    'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit."""
+    order,run_valid = GradientAccumulation.order+1,False   # reads `GradientAccumulation`'s per-batch state
+
+    def __init__(self,
+        mode:str='pool', # one of `BN_MODES`
+        *,
+        train_affine:bool=True, # 'freeze': keep training the BatchNorm weight and bias
+        num_groups:int=32, # 'groupnorm': most groups per layer
+        r_max:float=3., d_max:float=5., warmup:int=0, ramp:int=5000, # 'renorm': see `BatchRenorm`
+    ):
+        if not isinstance(mode, str) or mode not in BN_MODES: raise ValueError(f"`mode` must be one of {BN_MODES}, got {mode!r}")
+        if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
+        _whole(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
+        store_attr()
+        self._saved_mom,self._saved_rg,self._hooks,self._guard = [],[],[],None
+        self._frozen,self._pend,self._win,self._warned = [],[],[],False
+
+    # -- fit --------------------------------------------------------------------------------------------------------
+    def before_fit(self):
+        self._restore()   # whatever an interrupted fit left behind
+        self._ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
+        if self._ga is None and self.mode in _NEEDS_GA:
+            raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "
+                             "`GradientAccumulation`, which is not on this Learner: add `GradientAccumulation(n_step=...)` "
+                             "to its callbacks (or call `learn.accumulate(...)`)")
+        bns = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+        if self.mode in ('groupnorm', 'renorm'):
+            if bns: self._convert()
+            elif not any(getattr(m, '_from_bn', False) or isinstance(m, BatchRenorm) for m in self.model.modules()): self._warn_none()
+            self._tag_norm_params()
+            return
+        if not bns: return self._warn_none()
+        getattr(self, f'_start_{self.mode}')(bns)
+        self._install_guard()
+
+    def after_fit(self): self._restore()
+
+    def _warn_none(self):
+        if not self._warned: warnings.warn(f"BatchNormAccumulation(mode={self.mode!r}): the model has no BatchNorm layer; "
+                                           "nothing changed", stacklevel=2)
+        self._warned = True
+
+    def _restore(self):
+        "Put back momentum, train/eval mode and requires_grad, remove the hooks and forget any window"
+        for h in self._hooks: h.remove()
+        for bn,m in self._saved_mom:
+            bn.momentum = m
+            real = bn.__dict__.pop('_real_stats', None)   # a forward that raised between the hooks
+            if real is not None: bn.running_mean,bn.running_var = real
+        for p,rg in self._saved_rg: p.requires_grad_(rg)
+        # the mode the training loop left the model in (eval after validation), as it would be without this callback
+        for bn in self._frozen: bn.train(getattr(self.learn, 'model', bn).training)
+        self._hooks,self._saved_mom,self._saved_rg,self._frozen = [],[],[],[]
+        self._pend.clear(); self._win.clear()
+        self._remove_guard()
+
+    # -- 'pool' -----------------------------------------------------------------------------------------------------
+    def _start_pool(self, bns):
+        for bn in bns:
+            if bn.running_mean is None: continue   # no running statistics to pool
+            self._saved_mom.append((bn, bn.momentum))
+            bn.momentum = 1.   # after a forward the buffers hold exactly that batch's mean and unbiased variance
+            self._hooks += [bn.register_forward_pre_hook(self._pre_hook), bn.register_forward_hook(self._post_hook)]
+        self._mom = dict(self._saved_mom)
+
+    # Autograd saves the running buffers a BatchNorm forward used: they must not change in place until the backward.
+    # So each training forward gets fresh zero buffers to write its statistics into; the real ones are put back after.
+    def _pre_hook(self, bn, inp):
+        if not (bn.training and bn.track_running_stats): return
+        bn._real_stats = (bn.running_mean, bn.running_var)
+        bn.running_mean,bn.running_var = torch.zeros_like(bn.running_mean),torch.zeros_like(bn.running_var)
+
+    def _post_hook(self, bn, inp, out):
+        real = bn.__dict__.pop('_real_stats', None)
+        if real is None: return
+        self._pend.append((bn, inp[0].numel()//bn.num_features, bn.running_mean, bn.running_var))
+        bn.running_mean,bn.running_var = real
+        if bn.num_batches_tracked is not None: bn.num_batches_tracked.sub_(1)
+
+    # -- 'momentum' -------------------------------------------------------------------------------------------------
+    def _start_momentum(self, bns):
+        self._saved_mom,self._k = [(bn, bn.momentum) for bn in bns if bn.momentum is not None],None
+
+    # -- 'freeze' ---------------------------------------------------------------------------------------------------
+    def _start_freeze(self, bns):
+        self._frozen = bns
+        if not self.train_affine:
+            ps = [p for bn in bns for p in (bn.weight, bn.bias) if p is not None]
+            self._saved_rg = [(p, p.requires_grad) for p in ps]
+            for p in ps: p.requires_grad_(False)
+        if any(bn.running_mean is None for bn in bns):
+            warnings.warn("BatchNormAccumulation('freeze'): BatchNorm layers with track_running_stats=False have no "
+                          "running statistics and keep normalising with batch statistics", stacklevel=3)
+
+    def before_train(self):
+        for bn in self._frozen: bn.eval()   # after `TrainEvalCallback` put the whole model in train mode
+
+    # -- 'groupnorm' / 'renorm' -------------------------------------------------------------------------------------
+    def _convert(self):
+        if self.mode == 'groupnorm': new = bn_to_groupnorm(self.model, self.num_groups)
+        else: new = bn_to_batchrenorm(self.model, r_max=self.r_max, d_max=self.d_max, warmup=self.warmup, ramp=self.ramp)
+        if new is not self.model: self.learn.model = new   # the root itself was a BatchNorm
+        # the Parameter objects are the BatchNorm's own, so the optimizer built at the start of `fit` keeps working
+
+    def _tag_norm_params(self):
+        "fastai picks BatchNorm parameters by type for `train_bn`/`wd_bn_bias`: give converted layers the same treatment"
+        opt = getattr(self.learn, 'opt', None)
+        if opt is None: return
+        ps = {id(p) for m in self.model.modules() if getattr(m, '_from_bn', False) or isinstance(m, BatchRenorm)
+              for p in m.parameters()}
+        for p,_,state,_ in opt.all_params():
+            if id(p) not in ps: continue
+            if not getattr(self.learn, 'wd_bn_bias', False): state['do_wd'] = False
+            if getattr(self.learn, 'train_bn', True) and not state.get('force_train'): state['force_train'] = True; p.requires_grad_(True)
+
+    # -- batch ------------------------------------------------------------------------------------------------------
+    def before_batch(self):
+        if self.mode == 'pool': self._pend.clear()   # statistics of a micro-batch cancelled before its backward
+        elif self.mode == 'momentum' and self._saved_mom and self._ga.window_start:
+            k = self._ga.window_n_step
+            if k != self._k:
+                self._k = k
+                for bn,m in self._saved_mom: bn.momentum = accumulated_momentum(m, k)
+
+    def after_backward(self):
+        # the micro-batch is part of the window now (GradientAccumulation counts it here too)
+        if self._pend: self._win.extend(self._pend); self._pend.clear()
+
+    def after_step(self):
+        if self._win and self._ga._stepped: self._apply()
+        self._win.clear()
+
+    def after_batch(self):
+        if self._win and self._ga._mb == 0: self._win.clear()   # window closed without a step: dropped or skipped
+
+    def after_train(self):
+        if self._win and self._ga._mb == 0: self._win.clear()   # an open window GradientAccumulation discarded
+
+    @torch.no_grad()
+    def _apply(self):
+        "One running-statistics update per layer from the window's pooled mean and unbiased variance"
+        by_bn = {}
+        for bn,n,m,v in self._win: by_bn.setdefault(bn, []).append((n, m, v))
+        for bn,recs in by_bn.items():
+            rm,rv,nbt = bn.running_mean,bn.running_var,bn.num_batches_tracked
+            n = torch.tensor([r[0] for r in recs], dtype=torch.float64, device=rm.device)[:,None]
+            means,vars_ = torch.stack([r[1] for r in recs]).double(),torch.stack([r[2] for r in recs]).double()
+            tot = n.sum()
+            mean = (n*means).sum(0)/tot
+            # Chan et al.: within-micro-batch sums of squares plus the spread of the micro-batch means
+            var = ((n-1)*vars_ + n*(means-mean)**2).sum(0)/(tot-1)
+            if nbt is not None: nbt.add_(1)
+            m = self._mom[bn]
+            f = 1/float(nbt) if m is None else m
+            rm.copy_((1-f)*rm.double() + f*mean); rv.copy_((1-f)*rv.double() + f*var)
+
+    # -- an exception out of an epoch skips `after_fit`: put things back anyway -------------------------------------
+    def _install_guard(self):
+        learn,cb = self.learn,self
+        orig = learn._do_epoch
+        def _do_epoch():
+            try: return orig()
+            except BaseException as e:
+                if not isinstance(e, _CANCELS): cb._restore()
+                raise
+        learn._do_epoch = self._guard = _do_epoch
+
+    def _remove_guard(self):
+        # `GradientAccumulation` pops its own wrapper the same way; remove ours only if it is still the outermost
+        if self._guard is not None and self.learn.__dict__.get('_do_epoch') is self._guard: del self.learn.__dict__['_do_epoch']
+        self._guard = None

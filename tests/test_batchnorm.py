@@ -1,0 +1,332 @@
+"BatchNormAccumulation, the momentum rule and the BatchNorm conversions, each checked against the large-batch run"
+import copy, warnings
+import pytest, torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from fastai.callback.core import Callback, CancelFitException
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.losses import CrossEntropyLossFlat
+from fastai.optimizer import SGD
+from fastai.vision.learner import vision_learner
+from torchvision.models import resnet18
+
+from accum_callback import (BatchNormAccumulation, BN_MODES, BatchRenorm, GradientAccumulation, accumulated_momentum,
+                            bn_to_batchrenorm, bn_to_groupnorm)
+from helpers import make_data, make_learner, rel_err
+
+STATS_TOL = 1e-6   # relative (norm) error of pooled running statistics against the large-batch run
+OUT_TOL = 1e-5     # absolute error between two float32 computations of the same normalisation
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    # two shared cores: one intra-op thread is several times faster than two fighting other processes
+    n = torch.get_num_threads(); torch.set_num_threads(1); yield; torch.set_num_threads(n)
+
+class BNNet(nn.Module):
+    """BatchNorm1d on (N,C) and on (N,C,L) input, side by side: a forward normalises with micro-batch statistics, so
+    only a BatchNorm whose input no other BatchNorm shaped sees the same input in the micro- and large-batch runs.
+    `twice` calls `bn1` a second time per forward."""
+    def __init__(self, momentum=0.1, affine=True, track=True, twice=False, seed=0):
+        super().__init__(); torch.manual_seed(seed)
+        self.l1,self.l1b,self.l2,self.twice = nn.Linear(5, 16),nn.Linear(5, 16),nn.Linear(32, 3),twice
+        self.bn1 = nn.BatchNorm1d(16, momentum=momentum, affine=affine, track_running_stats=track)
+        self.bn2 = nn.BatchNorm1d(4, momentum=momentum)
+    def forward(self, x):
+        h = self.l1(x); a = self.bn1(h)
+        if self.twice: a = a + self.bn1(h*2+1)
+        b = self.bn2(self.l1b(x).view(-1, 4, 4)).flatten(1)
+        return self.l2(F.relu(torch.cat([a, b], 1)))
+
+def bn_state(m): return {k:v.clone() for k,v in m.state_dict().items() if 'running' in k or 'num_batches' in k}
+def bns(m): return [l for l in m.modules() if isinstance(l, nn.modules.batchnorm._BatchNorm)]
+
+class EpochStats(Callback):
+    "Running statistics as validation sees them, each epoch"
+    order = BatchNormAccumulation.order+1
+    def before_fit(self): self.seen = []
+    def before_validate(self): self.seen.append(bn_state(self.model))
+
+def fit_pair(ds, micro_bs, ga_kw, big_bs, n_epoch=2, drop_last=False, **model_kw):
+    "Micro-batch run with accumulation + 'pool' and the one-large-batch run, SGD lr=0 so the weights never change"
+    micro = make_learner(ds, micro_bs, model=BNNet(**model_kw), lr=0.,
+                         cbs=[GradientAccumulation(**ga_kw), BatchNormAccumulation('pool'), EpochStats()])
+    big = make_learner(ds, big_bs, model=BNNet(**model_kw), lr=0., cbs=EpochStats(), drop_last=drop_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); micro.fit(n_epoch); big.fit(n_epoch)
+    return micro,big
+
+def assert_stats_match(a, b, tol=STATS_TOL):
+    assert a.keys() == b.keys()
+    for k in a:
+        if 'num_batches' in k: assert a[k] == b[k], k
+        else: assert rel_err(a[k], b[k]) <= tol, (k, rel_err(a[k], b[k]))
+
+# -- 'pool' -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('momentum', [0.1, None])
+@pytest.mark.parametrize('ga_kw,big_bs,drop_last', [
+    (dict(n_step=4), 16, False),                   # 30 items: windows 4+4+4+4 and 4+4+4+2 (uneven last micro-batch)
+    (dict(target_bs=12), 12, False),               # ceil(12/4)=3 micro-batches: 12, 12, 6
+    (dict(n_step=3, partial='drop'), 12, True)])   # windows 12, 12 and a dropped 4+2: the batch `drop_last` leaves out
+def test_pool_matches_large_batch(momentum, ga_kw, big_bs, drop_last):
+    ds = make_data(30)
+    micro,big = fit_pair(ds, 4, ga_kw, big_bs, drop_last=drop_last, momentum=momentum)
+    assert_stats_match(bn_state(micro.model), bn_state(big.model))
+    for a,b in zip(micro.epoch_stats.seen, big.epoch_stats.seen, strict=True): assert_stats_match(a, b)  # validation too
+    assert micro.model.bn1.num_batches_tracked == big.model.bn1.num_batches_tracked == micro.gradient_accumulation.steps   # one update per step
+    assert [bn.momentum for bn in bns(micro.model)] == [momentum]*2   # restored
+
+def test_pool_affine_false_and_untracked():
+    ds = make_data(30)
+    micro,big = fit_pair(ds, 4, dict(n_step=4), 16, affine=False, track=False)
+    assert micro.model.bn1.running_mean is None and micro.model.bn1.weight is None
+    assert_stats_match(bn_state(micro.model), bn_state(big.model))
+
+def test_pool_skips_nonfinite_window():
+    x,y = make_data(32).tensors
+    x = x.clone(); x[20] = float('nan')   # second window of 16
+    micro = make_learner(TensorDataset(x, y), 4, model=BNNet(), lr=0.,
+                         cbs=[GradientAccumulation(n_step=4), BatchNormAccumulation('pool')])
+    big = make_learner(TensorDataset(x[:16], y[:16]), 16, model=BNNet(), lr=0.)
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); micro.fit(1); big.fit(1)
+    assert micro.gradient_accumulation.n_skipped == 1
+    assert_stats_match(bn_state(micro.model), bn_state(big.model))   # one update, from the finite window only
+
+class WindowStats(Callback):
+    "Per window, with weights that change between windows: the update equals the one from the concatenated window inputs"
+    order = BatchNormAccumulation.order+1
+    run_valid = False
+    def before_fit(self):
+        self.errs,self.n_stepped,self.n_unchanged,self.xs = [],0,0,[]
+        bn = self.model.bn1
+        self.h = bn.register_forward_hook(lambda m,i,o: self.xs.append(i[0].detach().clone()) if m.training else None)
+    def after_fit(self): self.h.remove()
+    def before_batch(self):
+        ga,bn = self.learn.gradient_accumulation,self.model.bn1
+        if ga.window_start: self.start,self.xs = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()),[]
+    def after_batch(self):
+        ga,bn = self.learn.gradient_accumulation,self.model.bn1
+        if ga._mb: return   # window still open
+        if not ga._stepped:
+            assert torch.equal(bn.running_mean, self.start[0]) and bn.num_batches_tracked == self.start[2]
+            self.n_unchanged += 1; return
+        x,m = torch.cat(self.xs).double(),0.1   # the layer's own momentum (it reads 1.0 during a 'pool' fit)
+        mean,var = x.mean(0),x.var(0)
+        self.errs += [rel_err(bn.running_mean.double(), (1-m)*self.start[0].double() + m*mean),
+                      rel_err(bn.running_var.double(), (1-m)*self.start[1].double() + m*var)]
+        assert bn.num_batches_tracked == self.start[2]+1
+        self.n_stepped += 1
+
+def test_pool_per_window_with_training_and_shared_layer():
+    "lr > 0, a BatchNorm called twice per forward (both calls pooled), partial='drop'"
+    ds = make_data(30)
+    learn = make_learner(ds, 4, model=BNNet(twice=True), lr=0.1,
+                         cbs=[GradientAccumulation(n_step=3, partial='drop'), BatchNormAccumulation('pool'), WindowStats()])
+    learn.fit(2)
+    spy = learn.window_stats
+    assert spy.n_stepped == 4 and spy.n_unchanged == 2   # 8 micro-batches an epoch: windows 3, 3 and a dropped 2
+    assert max(spy.errs) < STATS_TOL
+    assert learn.model.bn1.momentum == 0.1 and not learn.model.bn1._forward_hooks and not learn.model.bn1._forward_pre_hooks
+
+# -- cleanup and errors -----------------------------------------------------------------------------------------------
+class Stop(Callback):
+    def __init__(self, exc, at=3): self.exc,self.at = exc,at
+    def after_batch(self):
+        if self.training and self.iter == self.at: raise self.exc
+
+@pytest.mark.parametrize('mode', ['pool', 'momentum', 'freeze'])
+@pytest.mark.parametrize('exc', [CancelFitException(), RuntimeError('boom')])
+def test_restored_after_cancel_and_error(mode, exc):
+    model = BNNet(momentum=0.2)
+    learn = make_learner(make_data(32), 4, model=model, lr=0.1,
+                         cbs=[GradientAccumulation(n_step=4), BatchNormAccumulation(mode), Stop(exc)])
+    if isinstance(exc, CancelFitException): learn.fit(1)
+    else:
+        with pytest.raises(RuntimeError, match='boom'): learn.fit(1)
+    for bn in bns(model):
+        assert bn.momentum == 0.2 and not bn._forward_hooks and not bn._forward_pre_hooks
+        assert bn.training == model.l1.training
+    assert '_do_epoch' not in learn.__dict__
+    learn.remove_cb(learn.stop); learn.fit(1)   # a clean fit afterwards
+    assert all(bn.momentum == 0.2 for bn in bns(model))
+
+@pytest.mark.parametrize('mode', ['pool', 'momentum'])
+def test_missing_gradient_accumulation(mode):
+    learn = make_learner(make_data(16), 4, model=BNNet(), cbs=BatchNormAccumulation(mode))
+    with pytest.raises(ValueError, match='GradientAccumulation'): learn.fit(1)
+    assert learn.model.bn1.momentum == 0.1 and not learn.model.bn1._forward_hooks
+
+@pytest.mark.parametrize('mode', ['freeze', 'groupnorm', 'renorm'])
+def test_modes_without_gradient_accumulation(mode):
+    learn = make_learner(make_data(16), 4, model=BNNet(), cbs=BatchNormAccumulation(mode))
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"`mode` must be one of \('pool', 'momentum', 'freeze', 'groupnorm', 'renorm'\)"):
+        BatchNormAccumulation('ghost')
+    with pytest.raises(ValueError, match='num_groups'): BatchNormAccumulation('groupnorm', num_groups=0)
+    with pytest.raises(ValueError, match='r_max'): BatchNormAccumulation('renorm', r_max=0.5)
+    with pytest.raises(ValueError, match='d_max'): bn_to_batchrenorm(nn.BatchNorm2d(3), d_max=-1)
+    with pytest.raises(TypeError, match='train_affine'): BatchNormAccumulation('freeze', train_affine=1)
+    with pytest.raises(ValueError, match='`k`'): accumulated_momentum(0.1, 0)
+
+@pytest.mark.parametrize('mode', BN_MODES)
+def test_no_batchnorm_warns(mode):
+    learn = make_learner(make_data(16), 4, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation(mode)])
+    before = copy.deepcopy(learn.model)
+    with pytest.warns(UserWarning, match='no BatchNorm'): learn.fit(1, lr=0.)
+    assert str(before) == str(learn.model)
+
+# -- 'momentum' and 'freeze' ------------------------------------------------------------------------------------------
+def test_accumulated_momentum():
+    for m in (0.01, 0.1, 0.5, 1.):
+        for k in (1, 2, 7): assert abs((1-accumulated_momentum(m, k))**k - (1-m)) < 1e-12
+    assert accumulated_momentum(None, 4) is None and accumulated_momentum(0.1, 1) == pytest.approx(0.1, abs=1e-15)
+
+class SeeMomentum(Callback):
+    order = BatchNormAccumulation.order+1
+    def before_fit(self): self.seen = set()
+    def before_batch(self):
+        if self.training: self.seen.add(tuple(bn.momentum for bn in bns(self.model)))
+
+@pytest.mark.parametrize('ga_kw,k', [(dict(n_step=4), 4), (dict(target_bs=10), 3)])
+def test_momentum_mode(ga_kw, k):
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 3))
+    learn = make_learner(make_data(32), 4, model=model, cbs=[GradientAccumulation(**ga_kw), BatchNormAccumulation('momentum'), SeeMomentum()])
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)
+    assert learn.see_momentum.seen == {(accumulated_momentum(0.1, k), None)}
+    assert (model[1].momentum, model[2].momentum) == (0.1, None)
+
+class SeeModes(Callback):
+    order = BatchNormAccumulation.order+1
+    def before_fit(self): self.seen = set()
+    def before_batch(self):
+        if self.training: self.seen.add((self.model.l1.training, *(bn.training for bn in bns(self.model))))
+
+@pytest.mark.parametrize('train_affine', [True, False])
+def test_freeze_mode(train_affine):
+    model = BNNet()
+    model.train(); model(torch.randn(64, 5))   # statistics to freeze
+    stats,affine = bn_state(model),[p.clone() for bn in bns(model) for p in bn.parameters()]
+    learn = make_learner(make_data(32), 4, model=model, lr=0.1,
+                         cbs=[BatchNormAccumulation('freeze', train_affine=train_affine), SeeModes()])
+    learn.fit(1)
+    assert learn.see_modes.seen == {(True, False, False)}
+    assert_stats_match(bn_state(model), stats, tol=0.)
+    changed = [not torch.equal(p, q) for p,q in zip([p for bn in bns(model) for p in bn.parameters()], affine)]
+    assert all(changed) if train_affine else not any(changed)
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(bn.training == model.l1.training for bn in bns(model))   # the loop leaves the model in eval
+
+# -- BatchRenorm and the conversions ----------------------------------------------------------------------------------
+def trained_resnet(seed, n=3):
+    torch.manual_seed(seed)
+    m = resnet18(weights=None, num_classes=5).train()
+    with torch.no_grad():
+        for _ in range(n): m(torch.randn(4, 3, 32, 32)*2+1)   # running statistics away from their initial values
+    return m.eval()
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_renorm_conversion_keeps_eval_output_and_state_dict(seed):
+    m = trained_resnet(seed); x = torch.randn(4, 3, 32, 32)
+    sd,y,ps = copy.deepcopy(m.state_dict()),m(x),list(m.parameters())
+    m2 = bn_to_batchrenorm(m, r_max=2., d_max=1., ramp=10)
+    assert m2 is m and isinstance(m.bn1, BatchRenorm) and not bns(m)
+    assert torch.equal(m(x), y)                                  # bit-identical eval output
+    assert all(p is q for p,q in zip(m.parameters(), ps, strict=True))
+    assert m.state_dict().keys() == sd.keys()
+    m.load_state_dict(sd)                                        # a BatchNorm state dict loads strictly
+    fresh = resnet18(weights=None, num_classes=5).eval(); fresh.load_state_dict(m.state_dict())   # and back
+    assert torch.equal(fresh(x), y)
+    assert repr(m.bn1) == ('BatchRenorm(64, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True, '
+                           'r_max=2.0, d_max=1.0, warmup=0, ramp=10)')
+
+@pytest.mark.parametrize('shape', [(8, 6), (8, 6, 5), (4, 6, 3, 3), (2, 6, 2, 2, 2)])
+def test_batchrenorm_is_batchnorm_before_ramp(shape):
+    "With r_max=1, d_max=0 (warmup) it is BatchNorm in training: output, gradient and running statistics"
+    bn = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)](6)
+    with torch.no_grad(): bn.weight.uniform_(0.5, 2); bn.bias.uniform_(-1, 1)
+    br = bn_to_batchrenorm(copy.deepcopy(bn), warmup=2)
+    for _ in range(2):
+        x = (torch.randn(shape)*3+2).requires_grad_()
+        y1 = bn(x); g1, = torch.autograd.grad(y1.square().sum(), x)
+        y2 = br(x); g2, = torch.autograd.grad(y2.square().sum(), x)
+        assert (y1-y2).abs().max() < OUT_TOL and (g1-g2).abs().max() < 1e-4
+    for k,v in bn.state_dict().items(): assert torch.allclose(v.float(), br.state_dict()[k].float(), rtol=1e-6, atol=1e-7), k
+    assert br.limits() == (1., 0.)
+
+def test_batchrenorm_corrects_towards_running_stats():
+    br = BatchRenorm(3, r_max=3., d_max=5., ramp=4)
+    with torch.no_grad(): br.running_mean.fill_(1.); br.running_var.fill_(4.)
+    br.renorm_steps = 4; assert br.limits() == (3., 5.)
+    x = torch.randn(64, 3)*0.5
+    mu,var = x.mean(0),x.var(0, unbiased=False)
+    rstd = (torch.tensor(4.)+br.eps).sqrt(); std = (var+br.eps).sqrt()
+    r,d = (std/rstd).clamp(1/3, 3),((mu-1)/rstd).clamp(-5, 5)
+    assert (br(x) - ((x-mu)/std*r + d)).abs().max() < OUT_TOL
+    br.eval(); assert (br(x) - (x-br.running_mean)/(br.running_var+br.eps).sqrt()).abs().max() < OUT_TOL
+    with pytest.raises(ValueError, match='got 6-D'): br.train()(torch.randn(1, 3, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match='more than 1 value'): br(torch.randn(1, 3))
+
+def test_renorm_untracked_and_affine_false():
+    m = nn.Sequential(nn.BatchNorm1d(4, affine=False), nn.BatchNorm1d(4, track_running_stats=False))
+    ref = copy.deepcopy(m); x = torch.randn(8, 4)*2+1
+    bn_to_batchrenorm(m)
+    assert m[0].weight is None and m[1].running_mean is None
+    assert (m(x)-ref(x)).abs().max() < OUT_TOL
+    m.eval(); ref.eval(); assert (m(x)-ref(x)).abs().max() < OUT_TOL   # after one update each (lerp vs BatchNorm's formula)
+
+def image_learner(bs=4, n=16, cbs=None):
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 4, (n,), generator=g))
+    dls = DataLoaders(DataLoader(ds, bs=bs), DataLoader(ds, bs=bs), device='cpu')
+    torch.manual_seed(0)
+    return vision_learner(dls, resnet18, pretrained=False, n_out=4, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=1e-2, cbs=cbs)
+
+def test_groupnorm_conversion_vision_learner():
+    learn = image_learner()
+    ids,flags = [id(p) for p in learn.model.parameters()],[p.requires_grad for p in learn.model.parameters()]
+    learn.model.train()(torch.randn(4, 3, 32, 32))
+    with pytest.warns(UserWarning, match='running statistics') as rec: m = bn_to_groupnorm(learn.model)
+    assert len(rec) == 1 and m is learn.model and not bns(m)
+    assert [id(p) for p in m.parameters()] == ids and [p.requires_grad for p in m.parameters()] == flags
+    gns = [l for l in m.modules() if isinstance(l, nn.GroupNorm)]
+    assert len(gns) == 22 and {g.num_groups for g in gns} == {32} and all(g.training for g in gns)
+    head_gn = m[1][2]
+    x = torch.randn(4, 1024)   # a BatchNorm1d's (N,C) input: normalised over 32 channels per group and sample
+    xg = x.view(4, 32, 32); ref = ((xg-xg.mean(-1, keepdim=True))/(xg.var(-1, unbiased=False, keepdim=True)+1e-5).sqrt()).view(4, 1024)
+    assert (head_gn(x) - (ref*head_gn.weight + head_gn.bias)).abs().max() < OUT_TOL
+    learn.freeze()   # the optimizer is built now, on the converted model
+    body = [p for l in m[0].modules() if isinstance(l, nn.Conv2d) for p in l.parameters()]
+    assert not any(p.requires_grad for p in body) and all(p.requires_grad for p in m[1].parameters())
+    learn.fit(1); learn.unfreeze(); assert all(p.requires_grad for p in m.parameters())
+
+def test_groupnorm_mode_keeps_optimizer_and_freeze():
+    learn = image_learner(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('groupnorm')])
+    learn.freeze()   # optimizer built on the BatchNorm model: `train_bn` keeps BatchNorm parameters trainable
+    opt_ids = [id(p) for p,*_ in learn.opt.all_params()]
+    bn_ps = [p for bn in bns(learn.model) for p in bn.parameters()]
+    before = [p.clone() for p in bn_ps]
+    learn.fit(1)
+    assert not bns(learn.model) and [id(p) for p,*_ in learn.opt.all_params()] == opt_ids
+    assert all(p.requires_grad for p in bn_ps) and all(not torch.equal(p, q) for p,q in zip(bn_ps, before))
+    assert not any(p.requires_grad for l in learn.model[0].modules() if isinstance(l, nn.Conv2d) for p in l.parameters())
+    learn.unfreeze(); learn.fit(1)
+
+def test_renorm_mode_on_resnet():
+    learn = image_learner(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('renorm', ramp=2)])
+    learn.model.eval(); x = torch.randn(2, 3, 32, 32); y = learn.model(x)
+    learn.fit(1)
+    assert not bns(learn.model) and sum(isinstance(l, BatchRenorm) for l in learn.model.modules()) == 22
+    assert learn.model[0][1].renorm_steps == 4 and learn.model[0][1].limits() == (3., 5.)
+    assert not torch.equal(learn.model.eval()(x), y)   # it trained
+
+def test_conversion_edge_cases():
+    assert isinstance(bn_to_groupnorm(nn.BatchNorm2d(6), num_groups=4), nn.GroupNorm)   # the root itself: a new module
+    assert bn_to_groupnorm(nn.BatchNorm2d(6), num_groups=4).num_groups == 3              # largest divisor <= 4
+    shared = nn.BatchNorm2d(8); m = nn.Sequential(shared, nn.ReLU(), shared)
+    bn_to_groupnorm(m); assert m[0] is m[2]                                           # sharing kept
+    sync = nn.Sequential(nn.SyncBatchNorm(8)); bn_to_batchrenorm(sync); assert isinstance(sync[0], BatchRenorm)
+    with pytest.warns(UserWarning, match='one channel per group'): bn_to_groupnorm(nn.Sequential(nn.BatchNorm1d(16)))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error'); g = bn_to_groupnorm(nn.Sequential(nn.BatchNorm2d(8, affine=False).eval()))[0]
+    assert g.weight is None and not g.training   # fresh statistics: no warning
