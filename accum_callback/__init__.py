@@ -3,5 +3,8 @@ __version__ = '0.1.0'
 
 from .schedule import WindowSchedule, as_window_schedule, batch_growth_from_lr
 from .accumulate import GradientAccumulation, PARTIAL_MODES
+from .batchnorm import (BatchNormAccumulation, BN_MODES, accumulated_momentum, BatchRenorm, bn_to_groupnorm,
+                        bn_to_batchrenorm)
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES', 'WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr']
+__all__ += ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'bn_to_groupnorm', 'bn_to_batchrenorm']
