@@ -61,6 +61,15 @@ def masked_mse(out, targ):
 def n_tokens(learn): return learn.yb[0][:, learn.yb[0].shape[1]//2:].sum()
 
 # -- spies ----------------------------------------------------------------------------------------------------------
+class BNMLP(nn.Module):
+    "MLP with a BatchNorm after a frozen first layer: the BatchNorm's input depends on the data alone"
+    def __init__(self, n_in=5, n_hidden=16, n_out=3, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1,self.bn,self.l2 = nn.Linear(n_in, n_hidden),nn.BatchNorm1d(n_hidden),nn.Linear(n_hidden, n_out)
+        self.l1.requires_grad_(False)
+    def forward(self, x): return self.l2(torch.tanh(self.bn(self.l1(x))))
+
 class SyncEveryDDP(DDP):
     "DDP that all-reduces after every backward, even inside `no_sync` (the reference that synchronises every micro-batch)"
     def no_sync(self): return contextlib.nullcontext()
@@ -96,15 +105,19 @@ class DDPSpy(Callback):
 
 # -- one scenario ---------------------------------------------------------------------------------------------------
 def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=None, bucket_cap_mb=1e-4,
-          seed=0):
+          seed=0, bn=None, shift=0.):
     "Train an MLP (float64) on this rank's shard of `sizes` samples under `ddp`; `ga`: kwargs for `GradientAccumulation`"
     ds = shard(sizes, rank, seed=seed, tokens=tokens)
+    if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
     ga = dict(ga or {})
     builtin = ga.pop('fastai_builtin', None)
     if tokens is not None: ga.setdefault('n_items', n_tokens)
     cbs = [Float64Run()] + ([FastaiGradientAccumulation(builtin)] if builtin else [GradientAccumulation(**ga)] if ga else [])
+    if bn is not None:
+        from accum_callback.batchnorm import BatchNormAccumulation
+        cbs.append(BatchNormAccumulation(bn))
     n_out = ds.tensors[1].shape[1]//(2 if tokens is not None else 1)
-    model = MLP(n_in=5, n_out=n_out, seed=seed).double()
+    model = (MLP if bn is None else BNMLP)(n_in=5, n_out=n_out, seed=seed).double()
     learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=masked_mse if tokens is not None else F.mse_loss, lr=LR)
     # a tiny bucket cap: every parameter its own bucket, so the counts check "once per bucket", not just "once"
     learn.model = ddp(model, bucket_cap_mb=bucket_cap_mb) if ddp is not None else model
@@ -114,7 +127,8 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     with learn.no_bar(), learn.no_logging(): learn.fit(n_epoch, lr=LR)
     ga_cb = getattr(learn, 'gradient_accumulation', None)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return dict(params=params, micro=spy.micro, windows=spy.windows, rounds=counter.n_rounds if counter else 0,
+    bn_stats = [model.bn.running_mean.clone(), model.bn.running_var.clone(), model.bn.num_batches_tracked.item()] if bn else None
+    return dict(params=params, bn_stats=bn_stats, micro=spy.micro, windows=spy.windows, rounds=counter.n_rounds if counter else 0,
                 calls=counter.n_calls if counter else 0, n_buckets=len(set(counter.buckets)) if counter else 0,
                 steps=ga_cb.steps if isinstance(ga_cb, GradientAccumulation) else None,
                 window_items=list(ga_cb.window_items) if isinstance(ga_cb, GradientAccumulation) else None,
@@ -155,6 +169,15 @@ def run_many(rank, world_size, scenarios):
     return out
 
 # -- the reference: one large batch per step over every rank's window -----------------------------------------------
+def bn_pool_reference(windows, seed=0, momentum=0.1):
+    "Running statistics of `BNMLP`'s BatchNorm after one update per window from all the window's samples at once"
+    model = BNMLP(seed=seed).double()
+    rm,rv = model.bn.running_mean.clone(),model.bn.running_var.clone()
+    for x,_ in windows:
+        h = model.l1(x).detach()
+        rm,rv = (1-momentum)*rm + momentum*h.mean(0),(1-momentum)*rv + momentum*h.var(0, unbiased=True)
+    return rm,rv
+
 def large_batch_reference(windows_per_rank, n_out=3, tokens=False, seed=0, lr=LR):
     "Plain SGD, one step per window on the union of all ranks' samples of that window"
     model = MLP(n_in=5, n_out=n_out, seed=seed).double()

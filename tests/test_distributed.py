@@ -23,6 +23,9 @@ SCENARIOS = dict(
     target12_step = dict(sizes=[14,16], ga=dict(target_bs=12, partial='step')),
     n_step3_carry = dict(sizes=[14,16], ga=dict(n_step=3, partial='carry')),
     fastai_path   = dict(fastai_path=True, n=32, ga=dict(n_step=4)),              # learn.distrib_ctx(): Accelerate + DistributedDL
+    # per-rank BatchNorm (rank 1's inputs shifted: its statistics differ), BatchNormAccumulation('pool')
+    bn_pool       = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1.),
+    bn_pool_uneven= dict(sizes=[14,16], ga=dict(n_step=4), bn='pool', shift=1.),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
 
@@ -121,6 +124,22 @@ def test_fastai_distrib_ctx(runs):
     for r in (r0, r1): check_one_round_per_step(r)
     assert not any(torch.equal(a[0], b[0]) for a,b in zip(r0['windows'], r1['windows']))   # each rank its own shard
     check_large_batch(r0, r1)
+
+# BatchNormAccumulation('pool') with per-rank BatchNorm ----------------------------------------------------------------
+# SyncBatchNorm needs CUDA inputs (torch raises on CPU), so only per-rank BatchNorm is tested here.
+@pytest.mark.parametrize('name', ['bn_pool', 'bn_pool_uneven'])
+def test_bn_pool_per_rank(runs, name):
+    """Each rank pools its own window (the statistics one large batch of that rank's samples gives); DDP broadcasts rank
+    0's buffers at the first forward of every window, so the running statistics follow rank 0's windows. After the
+    last step, rank 1 holds rank 0's statistics updated once with its own last window (until the next synced forward)"""
+    r0,r1 = get(runs, name)
+    for r in (r0, r1): check_one_round_per_step(r); assert r['bn_stats'][2] == r['steps']   # one update per step
+    (m0,v0),(u0,_) = W.bn_pool_reference(r0['windows']),W.bn_pool_reference([(torch.cat([a[0], b[0]]), None)
+                                                                           for a,b in zip(r0['windows'], r1['windows'])])
+    assert rel_err(r0['bn_stats'][0], m0) < TOL and rel_err(r0['bn_stats'][1], v0) < TOL
+    assert rel_err(r0['bn_stats'][0], u0) > 0.1   # not the union's: the ranks' data differ
+    m1,v1 = W.bn_pool_reference(r0['windows'][:-1]+r1['windows'][-1:])
+    assert rel_err(r1['bn_stats'][0], m1) < TOL and rel_err(r1['bn_stats'][1], v1) < TOL
 
 def test_count_allreduces_needs_ddp():
     with pytest.raises(TypeError, match='DistributedDataParallel'): count_allreduces(torch.nn.Linear(2, 2))
