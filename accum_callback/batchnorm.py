@@ -235,7 +235,7 @@ class BatchNormAccumulation(Callback):
         _whole(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
         store_attr()
         self._saved_mom,self._saved_rg,self._hooks,self._guard = [],[],[],None
-        self._frozen,self._pend,self._win,self._warned = [],[],[],False
+        self._frozen,self._pend,self._win,self._stash,self._warned = [],[],[],{},False
 
     # -- fit --------------------------------------------------------------------------------------------------------
     def before_fit(self):
@@ -265,15 +265,13 @@ class BatchNormAccumulation(Callback):
     def _restore(self):
         "Put back momentum, train/eval mode and requires_grad, remove the hooks and forget any window"
         for h in self._hooks: h.remove()
-        for bn,m in self._saved_mom:
-            bn.momentum = m
-            real = bn.__dict__.pop('_real_stats', None)   # a forward that raised between the hooks
-            if real is not None: bn.running_mean,bn.running_var = real
+        for bn,m in self._saved_mom: bn.momentum = m
+        for bn,(rm,rv,_) in self._stash.items(): bn.running_mean,bn.running_var = rm,rv   # a forward raised in between
         for p,rg in self._saved_rg: p.requires_grad_(rg)
         # the mode the training loop left the model in (eval after validation), as it would be without this callback
         for bn in self._frozen: bn.train(getattr(self.learn, 'model', bn).training)
         self._hooks,self._saved_mom,self._saved_rg,self._frozen = [],[],[],[]
-        self._pend.clear(); self._win.clear()
+        self._pend.clear(); self._win.clear(); self._stash.clear()
         self._remove_guard()
 
     # -- 'pool' -----------------------------------------------------------------------------------------------------
@@ -286,18 +284,22 @@ class BatchNormAccumulation(Callback):
         self._mom = dict(self._saved_mom)
 
     # Autograd saves the running buffers a BatchNorm forward used: they must not change in place until the backward.
-    # So each training forward gets fresh zero buffers to write its statistics into; the real ones are put back after.
+    # So each training forward gets fresh zero buffers (one (2,C) tensor) to write its statistics into; the real ones
+    # are put back after. The buffer dict is used directly: `Module.__setattr__` costs more than the rest of the hook.
     def _pre_hook(self, bn, inp):
         if not (bn.training and bn.track_running_stats): return
-        bn._real_stats = (bn.running_mean, bn.running_var)
-        bn.running_mean,bn.running_var = torch.zeros_like(bn.running_mean),torch.zeros_like(bn.running_var)
+        b = bn._buffers; rm = b['running_mean']
+        z = rm.new_zeros(2, rm.shape[0])
+        self._stash[bn] = (rm, b['running_var'], z)
+        b['running_mean'],b['running_var'] = z[0],z[1]
 
     def _post_hook(self, bn, inp, out):
-        real = bn.__dict__.pop('_real_stats', None)
-        if real is None: return
-        self._pend.append((bn, inp[0].numel()//bn.num_features, bn.running_mean, bn.running_var))
-        bn.running_mean,bn.running_var = real
-        if bn.num_batches_tracked is not None: bn.num_batches_tracked.sub_(1)
+        s = self._stash.pop(bn, None)
+        if s is None: return
+        b = bn._buffers
+        b['running_mean'],b['running_var'] = s[0],s[1]
+        self._pend.append((bn, inp[0].numel()//bn.num_features, s[2]))
+        if b['num_batches_tracked'] is not None: b['num_batches_tracked'].sub_(1)
 
     # -- 'momentum' -------------------------------------------------------------------------------------------------
     def _start_momentum(self, bns):
@@ -362,19 +364,19 @@ class BatchNormAccumulation(Callback):
     def _apply(self):
         "One running-statistics update per layer from the window's pooled mean and unbiased variance"
         by_bn = {}
-        for bn,n,m,v in self._win: by_bn.setdefault(bn, []).append((n, m, v))
+        for bn,n,z in self._win: by_bn.setdefault(bn, []).append((n, z))
         for bn,recs in by_bn.items():
             rm,rv,nbt = bn.running_mean,bn.running_var,bn.num_batches_tracked
-            n = torch.tensor([r[0] for r in recs], dtype=torch.float64, device=rm.device)[:,None]
-            means,vars_ = torch.stack([r[1] for r in recs]).double(),torch.stack([r[2] for r in recs]).double()
-            tot = n.sum()
-            mean = (n*means).sum(0)/tot
+            tot = sum(n for n,_ in recs)
+            n = torch.tensor([n for n,_ in recs], dtype=torch.float64, device=rm.device)
+            st = torch.stack([z for _,z in recs]).double()   # (micro-batches, mean/var, C)
+            mean = (n @ st[:,0])/tot
             # Chan et al.: within-micro-batch sums of squares plus the spread of the micro-batch means
-            var = ((n-1)*vars_ + n*(means-mean)**2).sum(0)/(tot-1)
+            var = ((n-1) @ st[:,1] + n @ (st[:,0]-mean).square_())/(tot-1)
             if nbt is not None: nbt.add_(1)
             m = self._mom[bn]
             f = 1/float(nbt) if m is None else m
-            rm.copy_((1-f)*rm.double() + f*mean); rv.copy_((1-f)*rv.double() + f*var)
+            rm.copy_(rm.double().lerp_(mean, f)); rv.copy_(rv.double().lerp_(var, f))
 
     # -- an exception out of an epoch skips `after_fit`: put things back anyway -------------------------------------
     def _install_guard(self):

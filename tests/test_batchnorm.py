@@ -116,14 +116,15 @@ class WindowStats(Callback):
         assert bn.num_batches_tracked == self.start[2]+1
         self.n_stepped += 1
 
-def test_pool_per_window_with_training_and_shared_layer():
-    "lr > 0, a BatchNorm called twice per forward (both calls pooled), partial='drop'"
-    ds = make_data(30)
-    learn = make_learner(ds, 4, model=BNNet(twice=True), lr=0.1,
-                         cbs=[GradientAccumulation(n_step=3, partial='drop'), BatchNormAccumulation('pool'), WindowStats()])
+@pytest.mark.parametrize('partial,n_stepped,n_unchanged', [('drop', 4, 2), ('carry', 5, 1)])
+def test_pool_per_window_with_training_and_shared_layer(partial, n_stepped, n_unchanged):
+    "lr > 0, a BatchNorm called twice per forward (both calls pooled), windows dropped or carried across epochs"
+    ds = make_data(30)   # 8 micro-batches an epoch: 'drop' gives windows 3, 3 and a dropped 2 each epoch;
+    learn = make_learner(ds, 4, model=BNNet(twice=True), lr=0.1,   # 'carry' gives 3 x 5 and drops the 1 left at the end
+                         cbs=[GradientAccumulation(n_step=3, partial=partial), BatchNormAccumulation('pool'), WindowStats()])
     learn.fit(2)
     spy = learn.window_stats
-    assert spy.n_stepped == 4 and spy.n_unchanged == 2   # 8 micro-batches an epoch: windows 3, 3 and a dropped 2
+    assert (spy.n_stepped, spy.n_unchanged) == (n_stepped, n_unchanged)
     assert max(spy.errs) < STATS_TOL
     assert learn.model.bn1.momentum == 0.1 and not learn.model.bn1._forward_hooks and not learn.model.bn1._forward_pre_hooks
 
@@ -330,3 +331,11 @@ def test_conversion_edge_cases():
     with warnings.catch_warnings():
         warnings.simplefilter('error'); g = bn_to_groupnorm(nn.Sequential(nn.BatchNorm2d(8, affine=False).eval()))[0]
     assert g.weight is None and not g.training   # fresh statistics: no warning
+
+def test_pool_error_inside_batchnorm_forward():
+    "A BatchNorm that raises between the hooks (one value per channel) leaves its own buffers in place"
+    model = BNNet(); rm,rv = model.bn1.running_mean,model.bn1.running_var
+    learn = make_learner(make_data(33), 4, model=model, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool')])
+    with pytest.raises(ValueError, match='more than 1 value'): learn.fit(1)   # the last micro-batch holds one item
+    assert model.bn1.running_mean is rm and model.bn1.running_var is rv and model.bn1.momentum == 0.1
+    assert torch.isfinite(rm).all() and not model.bn1._forward_hooks
