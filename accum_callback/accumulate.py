@@ -1,25 +1,24 @@
 "Exact gradient accumulation for fastai: every optimizer step gets the gradient one large batch of the same samples gives"
 from __future__ import annotations
-import contextlib, math, warnings
+import math, warnings
 from numbers import Integral
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from fastai.callback.core import (Callback, CancelBatchException, CancelEpochException, CancelFitException,
-                                  CancelTrainException)
+from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
+from .guard import add_fit_guard, remove_fit_guard
 from .schedule import WindowSchedule, as_window_schedule
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
-_CANCELS = (CancelEpochException, CancelFitException)  # fit goes on to `after_fit` after these
 
 def _is_ddp(model)->bool: return isinstance(model, DistributedDataParallel)
 
@@ -47,7 +46,7 @@ class GradientAccumulation(Callback):
         if not isinstance(skip_nonfinite, bool): raise TypeError(f"`skip_nonfinite` must be True or False, got {skip_nonfinite!r}")
         self.n_step_sched,self.target_bs_sched = as_window_schedule(n_step, 'n_step'),as_window_schedule(target_bs, 'target_bs')
         self.partial,self.n_items,self.skip_nonfinite = partial,n_items,skip_nonfinite
-        self._warned_divide,self._guarded = False,False
+        self._warned_divide = False
         self._reset_logs(); self._reset_window()
 
     # -- public state -------------------------------------------------------------------------------------------
@@ -83,7 +82,7 @@ class GradientAccumulation(Callback):
                                  "(`learn.remove_cb(...)`), accum_callback's replaces it")
         self._reset_logs(); self._reset_window()
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
-        self._install_guard()
+        add_fit_guard(self.learn, 'gradient_accumulation', lambda e: self._discard_window())  # KeyboardInterrupt, errors
         bs = getattr(self.dls.train, 'bs', None)
         if self.target_bs_sched is not None and bs and not self._warned_divide:
             t = self.target_bs_sched()
@@ -95,7 +94,7 @@ class GradientAccumulation(Callback):
 
     def after_fit(self):
         self._discard_window()
-        self._remove_guard()
+        remove_fit_guard(self.learn, 'gradient_accumulation')
         if self.n_skipped:
             warnings.warn(f"GradientAccumulation: {self.n_skipped} window(s) dropped because a micro-batch gave a "
                           "non-finite loss", stacklevel=2)
@@ -176,7 +175,7 @@ class GradientAccumulation(Callback):
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _window_totals(self):
-        dev = next(self.model.parameters()).device
+        dev = next(self.model.parameters()).device if _is_ddp(self.model) else 'cpu'   # MPS has no float64
         vals = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(dev) for v in (self._items, self._loss_sum)])
         if _is_ddp(self.model): dist.all_reduce(vals)
         items,loss_sum = vals.tolist()
@@ -203,22 +202,6 @@ class GradientAccumulation(Callback):
         self._exit_no_sync()
         if drop and self._mb: self.n_dropped += 1
         self._zero_grads(); self._reset_window()
-
-    def _install_guard(self):
-        "Any exception out of an epoch (KeyboardInterrupt, an error) leaves clean gradients behind"
-        learn,cb = self.learn,self
-        self._remove_guard()
-        orig = learn._do_epoch
-        def _do_epoch():
-            try: return orig()
-            except BaseException as e:
-                cb._discard_window()
-                if not isinstance(e, _CANCELS): cb._remove_guard()  # fit ends without `after_fit`
-                raise
-        learn._do_epoch,self._guarded = _do_epoch,True
-
-    def _remove_guard(self):
-        if self._guarded: self.learn.__dict__.pop('_do_epoch', None); self._guarded = False
 
     def plot_windows(self, ax=None):
         "Plot each optimizer step's item-weighted window loss against optimizer steps"

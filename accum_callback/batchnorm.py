@@ -5,16 +5,17 @@ from numbers import Integral, Real
 
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
-from fastai.callback.core import Callback, CancelEpochException, CancelFitException
+import torch.distributed as dist
+from fastai.callback.core import Callback
 from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
+from .guard import CANCELS, add_fit_guard, remove_fit_guard
 
 __all__ = ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'bn_to_groupnorm', 'bn_to_batchrenorm']
 
 BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
 _NEEDS_GA = ('pool', 'momentum')   # modes that read the window structure
-_CANCELS = (CancelEpochException, CancelFitException)  # fit goes on to `after_fit` after these
 
 def _whole(v, name:str, lo:int=1)->int:
     if isinstance(v, bool) or not isinstance(v, Integral): raise TypeError(f"`{name}` must be an int >= {lo}, got {v!r}")
@@ -234,7 +235,7 @@ class BatchNormAccumulation(Callback):
         if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
         _whole(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
         store_attr()
-        self._saved_mom,self._saved_rg,self._hooks,self._guard = [],[],[],None
+        self._saved_mom,self._saved_rg,self._hooks = [],[],[]
         self._frozen,self._pend,self._win,self._stash,self._warned = [],[],[],{},False
 
     # -- fit --------------------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ class BatchNormAccumulation(Callback):
             return
         if not bns: return self._warn_none()
         getattr(self, f'_start_{self.mode}')(bns)
-        self._install_guard()
+        add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
     def after_fit(self): self._restore()
 
@@ -272,7 +273,7 @@ class BatchNormAccumulation(Callback):
         for bn in self._frozen: bn.train(getattr(self.learn, 'model', bn).training)
         self._hooks,self._saved_mom,self._saved_rg,self._frozen = [],[],[],[]
         self._pend.clear(); self._win.clear(); self._stash.clear()
-        self._remove_guard()
+        remove_fit_guard(self.learn, 'batch_norm_accumulation')
 
     # -- 'pool' -----------------------------------------------------------------------------------------------------
     def _start_pool(self, bns):
@@ -377,19 +378,3 @@ class BatchNormAccumulation(Callback):
             m = self._mom[bn]
             f = 1/float(nbt) if m is None else m
             rm.copy_(rm.double().lerp_(mean, f)); rv.copy_(rv.double().lerp_(var, f))
-
-    # -- an exception out of an epoch skips `after_fit`: put things back anyway -------------------------------------
-    def _install_guard(self):
-        learn,cb = self.learn,self
-        orig = learn._do_epoch
-        def _do_epoch():
-            try: return orig()
-            except BaseException as e:
-                if not isinstance(e, _CANCELS): cb._restore()
-                raise
-        learn._do_epoch = self._guard = _do_epoch
-
-    def _remove_guard(self):
-        # `GradientAccumulation` pops its own wrapper the same way; remove ours only if it is still the outermost
-        if self._guard is not None and self.learn.__dict__.get('_do_epoch') is self._guard: del self.learn.__dict__['_do_epoch']
-        self._guard = None
