@@ -46,7 +46,7 @@ class GradientAccumulation(Callback):
         if not isinstance(skip_nonfinite, bool): raise TypeError(f"`skip_nonfinite` must be True or False, got {skip_nonfinite!r}")
         self.n_step_sched,self.target_bs_sched = as_window_schedule(n_step, 'n_step'),as_window_schedule(target_bs, 'target_bs')
         self.partial,self.n_items,self.skip_nonfinite = partial,n_items,skip_nonfinite
-        self._warned_divide = False
+        self._warned_divide,self._new_fit = False,False
         self._reset_logs(); self._reset_window()
 
     # -- public state -------------------------------------------------------------------------------------------
@@ -80,7 +80,9 @@ class GradientAccumulation(Callback):
             if isinstance(cb, FastaiGradientAccumulation):
                 raise ValueError("fastai's own `GradientAccumulation` is also on this Learner: remove it "
                                  "(`learn.remove_cb(...)`), accum_callback's replaces it")
-        self._reset_logs(); self._reset_window()
+        # fastai sends `before_fit`/`after_fit` around `validate` and `get_preds` too: the logs of the last fit are
+        # reset at its first training batch instead, so they survive a `validate()` after it
+        self._reset_window(); self._new_fit = True
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
         add_fit_guard(self.learn, 'gradient_accumulation', lambda e: self._discard_window())  # KeyboardInterrupt, errors
         bs = getattr(self.dls.train, 'bs', None)
@@ -95,7 +97,7 @@ class GradientAccumulation(Callback):
     def after_fit(self):
         self._discard_window()
         remove_fit_guard(self.learn, 'gradient_accumulation')
-        if self.n_skipped:
+        if not self._new_fit and self.n_skipped:   # trained in this fit (not a `validate`) and dropped windows
             warnings.warn(f"GradientAccumulation: {self.n_skipped} window(s) dropped because a micro-batch gave a "
                           "non-finite loss", stacklevel=2)
 
@@ -105,6 +107,7 @@ class GradientAccumulation(Callback):
 
     # -- batch --------------------------------------------------------------------------------------------------
     def before_batch(self):
+        if self._new_fit: self._reset_logs(); self._new_fit = False
         if self._mb == 0: self._win_target = self.sched(self.pct_train, self.epoch)
         self._bs = find_bs(self.yb if len(self.yb) else self.xb)
         # DDP: every rank must decide alike before the forward pass, so `target_bs` counts micro-batches at the loader's

@@ -282,3 +282,16 @@ def test_mixed_precision_cuda(amp_mode):
     if amp_mode == 'fp16': assert len(b.mixed_precision.scales or []) in (0, b.gradient_accumulation.steps)
     err = rel_err(weights(b.model).cpu(), weights(a.model).cpu())
     assert err <= (2e-2 if amp_mode == 'fp16' else 5e-2), err   # low-precision forward differs by micro-batch
+
+def test_logs_survive_validate_and_get_preds():
+    "fastai sends before_fit/after_fit around validate and get_preds: the last fit's logs and warnings stay put"
+    ds = make_data(32); ds.tensors[0][1, 0] = float('nan')
+    learn = make_learner(ds, 4, cbs=GradientAccumulation(2))
+    with pytest.warns(UserWarning, match='dropped'): fit_quiet(learn, 1)
+    ga = learn.gradient_accumulation; logged = (list(ga.window_sizes), list(ga.window_losses), ga.n_skipped)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                   # no second "dropped" warning
+        learn.validate(); learn.get_preds()
+    assert (ga.window_sizes, ga.window_losses, ga.n_skipped) == logged == ([8]*3, logged[1], 1)
+    fit_quiet(learn, 1, lr=0.)                           # a new fit starts new logs
+    assert ga.n_skipped == 1 and ga.steps == 3
