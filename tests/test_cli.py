@@ -1,0 +1,132 @@
+"`python -m accum_callback` / `accum-finetune`: defaults, a folder of images, every bad input, metrics.json"
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from accum_callback.cli import check_args, make_parser
+from accum_callback.train import auto_bn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+@pytest.fixture(scope='session')
+def cache(tmp_path_factory):
+    "One pretrained checkpoint per test session, in a private cache (the user's is never touched)"
+    d = tmp_path_factory.getbasetemp()/'accum_cache'
+    os.environ['ACCUM_CALLBACK_CACHE'] = str(d)   # subprocesses and notebook kernels inherit it
+    from accum_callback.pretrain import pretrained_checkpoint
+    return pretrained_checkpoint()
+
+def run_cli(*args, cwd=None, timeout=300):
+    env = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning'}   # torch's import-time `torch.jit` notice
+    return subprocess.run([sys.executable, '-m', 'accum_callback', *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=timeout)
+
+def make_folder(root:Path, n_classes=3, n=10, size=20, seed=0)->Path:
+    "Class `k` images are noise with a bright channel `k`: learnable in an epoch"
+    r = np.random.default_rng(seed)
+    for k in range(n_classes):
+        (root/f'class{k}').mkdir(parents=True)
+        for i in range(n):
+            a = (r.random((size,size,3))*80).astype(np.uint8); a[...,k] += 150
+            Image.fromarray(a).save(root/f'class{k}'/f'{i}.png')
+    return root
+
+def check_error(res, out:Path, *names):
+    "Exit != 0, one line naming every `names`, no traceback, nothing in `out`"
+    assert res.returncode != 0
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith('accum-finetune: error:') and 'Traceback' not in res.stderr
+    for n in names: assert str(n) in lines[0], (n, lines[0])
+    assert not out.exists() or not any(out.iterdir())
+
+# -- runs ------------------------------------------------------------------------------------------------------
+def test_defaults_short(cache, tmp_path):
+    "The default command (embedded digits transfer, pretrained, auto BN), one epoch to keep the suite quick"
+    out = tmp_path/'out'
+    res = run_cli('--epochs', 1, '--out', out)
+    assert res.returncode == 0, res.stderr
+    assert 'accum-finetune summary' in res.stdout and 'accuracy' in res.stdout
+    m = json.loads((out/'metrics.json').read_text())
+    for k in ('accuracy', 'micro_bs', 'effective_bs', 'n_step', 'bn', 'epochs', 'optimizer_steps'): assert k in m
+    assert (m['micro_bs'], m['effective_bs'], m['n_step'], m['epochs']) == (4, 32, 8, 1)
+    assert m['bn'] == auto_bn(4, 8, True) and m['bn_requested'] == 'auto' and m['pretrained']
+    assert m['optimizer_steps'] == -(-(m['n_train']//4)//8)   # full windows, then the epoch's partial one
+    assert m['accuracy'] > 0.4, m   # 5 classes: chance is 0.2; 3 epochs (the default) reach >= 0.9
+    assert (out/'training.png').stat().st_size > 1000
+    assert sorted(p.name for p in out.iterdir()) == ['metrics.json', 'training.png']
+
+def test_folder(cache, tmp_path):
+    data,out = make_folder(tmp_path/'imgs'),tmp_path/'out'
+    res = run_cli('--data', data, '--micro-bs', 2, '--n-step', 4, '--bn', 'none', '--epochs', 2, '--valid-pct', 0.3,
+                  '--out', out)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((out/'metrics.json').read_text())
+    assert (m['micro_bs'], m['effective_bs'], m['n_step'], m['bn'], m['epochs']) == (2, 8, 4, 'none', 2)
+    assert (m['n_train'], m['n_valid']) == (21, 9) and m['optimizer_steps'] == 2*3   # 10 micro-batches: 2 full + 1 partial
+    assert m['accuracy'] >= 0.5 and str(data) in m['data']
+
+# -- bad input -------------------------------------------------------------------------------------------------
+def test_missing_folder(tmp_path):
+    out = tmp_path/'out'; check_error(run_cli('--data', tmp_path/'nope', '--out', out), out, tmp_path/'nope')
+
+def test_empty_folder(tmp_path):
+    (tmp_path/'empty').mkdir(); out = tmp_path/'out'
+    check_error(run_cli('--data', tmp_path/'empty', '--out', out), out, tmp_path/'empty', 'empty')
+
+def test_class_without_images(tmp_path):
+    data = make_folder(tmp_path/'imgs', n_classes=2); (data/'class9').mkdir(); (data/'class9'/'notes.txt').write_text('x')
+    out = tmp_path/'out'; check_error(run_cli('--data', data, '--out', out), out, data/'class9', 'no images')
+
+def test_corrupt_image(tmp_path):
+    data = make_folder(tmp_path/'imgs', n_classes=2)
+    bad = data/'class1'/'3.png'; bad.write_bytes(bad.read_bytes()[:60])   # truncated PNG
+    out = tmp_path/'out'; check_error(run_cli('--data', data, '--out', out), out, bad)
+
+def test_existing_out_left_alone(tmp_path):
+    "A failing run leaves an existing --out as it was"
+    out = tmp_path/'out'; out.mkdir(); (out/'keep.txt').write_text('x')
+    res = run_cli('--data', tmp_path/'nope', '--out', out)
+    assert res.returncode != 0 and [p.name for p in out.iterdir()] == ['keep.txt']
+
+@pytest.mark.parametrize('args,names', [
+    (('--micro-bs', 64), ('--micro-bs', '64', '--effective-bs', '32')),
+    (('--micro-bs', 8, '--effective-bs', 4), ('--micro-bs', '8', '--effective-bs', '4')),
+    (('--effective-bs', 30), ('--effective-bs', '30', '--micro-bs')),
+    (('--arch', 'resnet_nope'), ('--arch', 'resnet_nope')),
+    (('--arch', 'timm/resnet18'), ('--arch', 'timm/resnet18', 'timm')),
+    (('--bn', 'batch'), ('--bn', 'batch')),
+    (('--weights', 'missing.pth'), ('--weights', 'missing.pth')),
+    (('--epochs', 0), ('--epochs',)),
+])
+def test_bad_arguments(tmp_path, args, names):
+    if 'timm/resnet18' in args and _has_timm(): pytest.skip('timm is installed')
+    out = tmp_path/'out'; check_error(run_cli(*args, '--out', out), out, *names)
+
+def _has_timm():
+    try: import timm; return True
+    except ImportError: return False
+
+def test_parse_n_step_and_effective_bs():
+    p = make_parser()
+    a = check_args(p.parse_args(['--micro-bs', '2', '--n-step', '16'])); assert (a.effective_bs, a.n_step) == (32, 16)
+    a = check_args(p.parse_args(['--micro-bs', '8'])); assert (a.effective_bs, a.n_step) == (32, 4)
+    a = check_args(p.parse_args(['--micro-bs', '32'])); assert (a.effective_bs, a.n_step, a.bn) == (32, 1, 'auto')
+
+def test_auto_rule():
+    assert auto_bn(32, 1, True) == 'none' and auto_bn(16, 2, False) == 'none'
+    assert auto_bn(4, 8, True, has_bn=False) == 'none'
+    for mbs in (2, 4, 8): assert auto_bn(mbs, 32//mbs, True) != 'none' and auto_bn(mbs, 32//mbs, False) != 'none'
+
+# -- the real default, timed (run by hand for docs/main_job.md; the suite keeps the one-epoch run above) ----------
+@pytest.mark.slow
+def test_default_full(tmp_path, monkeypatch):
+    "Fresh cache and all defaults: under 3 minutes, accuracy >= 0.9"
+    monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(tmp_path/'cache'))
+    t0 = time.perf_counter(); res = run_cli('--out', tmp_path/'out'); secs = time.perf_counter()-t0
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path/'out'/'metrics.json').read_text())['accuracy'] >= 0.9
+    assert secs < 180, secs

@@ -1,0 +1,23 @@
+"Execute every notebook in nbs/ with nbclient, in a temporary working directory (tiny settings: no env flags set)"
+import os
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip('nbformat')
+nbclient = pytest.importorskip('nbclient')
+
+NBS = sorted((Path(__file__).resolve().parents[1]/'nbs').glob('*.ipynb'))
+
+@pytest.fixture(scope='session')
+def cache(tmp_path_factory):
+    "The pretrained checkpoint in a private per-session cache, which the kernels inherit through the environment"
+    d = tmp_path_factory.getbasetemp()/'accum_cache'
+    os.environ['ACCUM_CALLBACK_CACHE'] = str(d)
+    return d
+
+@pytest.mark.parametrize('nb', NBS, ids=[p.name for p in NBS])
+def test_notebook(nb, tmp_path, cache, monkeypatch):
+    monkeypatch.delenv('ACCUM_STUDY_FULL', raising=False)   # the suite runs the tiny settings
+    book = nbformat.read(nb, as_version=4)
+    nbclient.NotebookClient(book, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}}).execute()
