@@ -29,10 +29,12 @@ def cache_dir()->Path:
 def checkpoint_path(arch:str=DEFAULT_ARCH, size:int=32)->Path:
     return cache_dir()/f"{arch}_digits{''.join(map(str, DIGITS_PRETRAIN))}_{size}px_v{_VERSION}.pth"
 
-def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, progress:bool=False)->Path:
+def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, progress:bool=False,
+                          threads:int|None=1)->Path:
     "Path of the digits 0-4 checkpoint of `arch`, training (and caching) it first if it is not there"
     path = checkpoint_path(arch, size)
     if path.is_file() and not force: return path
+    if threads: torch.set_num_threads(threads)   # more threads only slow this small net down on shared cores
     set_seed(PRETRAIN['seed'], reproducible=True)
     dls = digits_dls(PRETRAIN['bs'], DIGITS_PRETRAIN, size, valid_pct=0.1, seed=PRETRAIN['seed'])
     learn = Learner(dls, create_model(arch, dls.c), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
