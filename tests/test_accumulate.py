@@ -268,6 +268,21 @@ def test_overflowing_window_is_skipped_whole():
     other = make_learner(torch.utils.data.TensorDataset(*[t[keep] for t in ds.tensors]), 16); fit_quiet(other, 1)
     assert rel_err(weights(learn.model), weights(other.model)) <= 1e-6
 
+class CPUBf16MP(MixedPrecision):
+    "fastai's MixedPrecision in bf16 on the CPU (fastai's own autocasts 'cuda' only): no scaler, as fastai does for bf16"
+    def before_fit(self):
+        self.autocast = autocast('cpu', dtype=torch.bfloat16)
+        self.learn.scaler,self.scales = GradScaler('cpu', enabled=False), []
+
+def test_bf16_autocast_on_cpu():
+    ds = make_data(64, n_in=8)
+    a = make_learner(ds, 16, cbs=CPUBf16MP(), opt_func=Adam, lr=1e-3); fit_quiet(a, 2)
+    b = make_learner(ds, 4, cbs=[GradientAccumulation(4), CPUBf16MP()], opt_func=Adam, lr=1e-3); fit_quiet(b, 2)
+    assert b.gradient_accumulation.steps == a.train_iter == 8
+    assert torch.isfinite(weights(b.model)).all()
+    err = rel_err(weights(b.model), weights(a.model))
+    assert err <= 1e-2, err      # bf16 forward: rounding differs between a micro-batch and the large batch
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs an NVIDIA GPU')
 @pytest.mark.parametrize('amp_mode', ['fp16', 'bf16'])
