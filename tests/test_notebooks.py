@@ -18,6 +18,6 @@ def cache(tmp_path_factory):
 
 @pytest.mark.parametrize('nb', NBS, ids=[p.name for p in NBS])
 def test_notebook(nb, tmp_path, cache, monkeypatch):
-    monkeypatch.delenv('ACCUM_STUDY_FULL', raising=False)   # the suite runs the tiny settings
+    for flag in ('ACCUM_STUDY_FULL', 'ACCUM_NB_FULL'): monkeypatch.delenv(flag, raising=False)   # the tiny settings
     book = nbformat.read(nb, as_version=4)
     nbclient.NotebookClient(book, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}}).execute()
