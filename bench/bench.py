@@ -1,0 +1,351 @@
+"""What accumulation costs in time and saves in memory, measured side by side in one run.
+
+    python bench/bench.py                  # CPU; the CUDA rows run too when a GPU is present
+    python bench/bench.py --quick          # tiny sizes, one repeat: a smoke test, not a measurement
+    python bench/bench.py --repeats 7 --out bench.md
+
+Prints a markdown table `measure | ratio | goal | met?`, the machine and the command. Timings alternate the contenders
+round by round (the order rotates every round, after one warm-up round) and quote the median of the per-round ratios,
+± 1.4826 x their median absolute deviation. Memory: each configuration trains in a fresh process forked before this one
+has run any tensor op, which reports the peak RSS it adds over its own baseline taken after model and data exist
+(Linux `/proc/self/clear_refs` peak reset + `VmHWM`); on CUDA, `torch.cuda.max_memory_allocated` over the baseline."""
+import argparse, datetime, multiprocessing, os, platform, shlex, socket, statistics, sys, tempfile, time, warnings
+from functools import partial
+
+warnings.filterwarnings('ignore')
+import torch, torch.nn as nn, torch.nn.functional as F
+import torch._dynamo   # noqa: F401  torch.optim imports it on first use (seconds): once here, before the forks
+from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader as TorchDataLoader
+import fastai
+from fastai.callback.core import Callback
+from fastai.callback.training import GradientAccumulation as FastaiGA
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.learner import Learner
+from fastai.optimizer import OptimWrapper
+
+from accum_callback import GradientAccumulation
+
+LR,MOM = 0.01,0.9
+BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
+SIZES = dict(  # b: micro-batch, k: micro-batches per window, windows per epoch, px: image side, width: first conv channels
+    default=dict(b=16, k=8, windows=4, px=32, width=32, mem_windows=2, ddp=dict(b=16, k=8, steps=4, hidden=2048)),
+    quick  =dict(b=4,  k=4, windows=2, px=16, width=8,  mem_windows=1, ddp=dict(b=4,  k=4, steps=1, hidden=64)))
+
+# -- model, data, learners ------------------------------------------------------------------------------------------
+def conv_net(width=16, n_out=10, seed=0):
+    "A small BatchNorm conv net: compute (convolutions) dominates the per-batch Python overhead"
+    torch.manual_seed(seed)
+    def blk(ni, nf, stride): return nn.Sequential(nn.Conv2d(ni, nf, 3, stride, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU())
+    w = width
+    return nn.Sequential(blk(3, w, 1), blk(w, 2*w, 2), blk(2*w, 4*w, 2), blk(4*w, 4*w, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4*w, n_out))
+
+def images(n, px, seed=0, n_out=10):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, px, px, generator=g), torch.randint(0, n_out, (n,), generator=g))
+
+def opt_func(params, lr=LR, **kw): return OptimWrapper(params, torch.optim.SGD, lr=lr, momentum=MOM)
+
+class TrainTimer(Callback):
+    "Wall time of each epoch's training phase (validation excluded)"
+    def before_fit(self): self.times = []
+    def before_train(self): self.t0 = time.perf_counter()
+    def after_train(self): self.times.append(time.perf_counter()-self.t0)
+
+def learner(model, ds, bs, cbs=(), device=None):
+    "A quiet Learner over `ds` (one micro-batch of validation), torch's SGD through `OptimWrapper` like the hand loop"
+    valid = TensorDataset(*[t[:bs] for t in ds.tensors])
+    dls = DataLoaders(DataLoader(ds, bs=bs, shuffle=False), DataLoader(valid, bs=bs), device=device or 'cpu')
+    learn = Learner(dls, model, loss_func=F.cross_entropy, opt_func=opt_func, lr=LR, cbs=[TrainTimer(), *cbs])
+    learn.recorder.train_metrics = False
+    return learn
+
+def fit_time(learn)->float:
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    return learn.train_timer.times[-1]
+
+def hand_loop(model, ds, b, k):
+    "The classic forum answer: loss/n_acc; backward; step + zero_grad every n_acc micro-batches"
+    opt,dl = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOM),TorchDataLoader(ds, batch_size=b, shuffle=False)
+    def run():
+        t0 = time.perf_counter()
+        model.train(); opt.zero_grad()
+        for i,(x,y) in enumerate(dl):
+            loss = F.cross_entropy(model(x), y)/k
+            loss.backward()
+            if (i+1) % k == 0: opt.step(); opt.zero_grad()
+        return time.perf_counter()-t0
+    return run
+
+# -- statistics and table rows ----------------------------------------------------------------------------------------
+def rounds(contenders:dict, repeats:int, warmup=True)->tuple[dict,dict]:
+    "Time every contender once per round, rotating the order; a warm-up round is dropped. Returns times and errors"
+    names,out,errs = list(contenders),{n:[] for n in contenders},{}
+    for r in range(repeats+warmup):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            if n in errs: continue
+            try: t = contenders[n]()
+            except Exception as e: errs[n] = f'error: {type(e).__name__}: {str(e)[:150]}'; continue
+            if r or not warmup: out[n].append(t)
+    return out,errs
+
+def summary(xs):
+    "Median and a robust spread (1.4826 x median absolute deviation; 0 with one value)"
+    m = statistics.median(xs)
+    return m, 1.4826*statistics.median(abs(x-m) for x in xs) if len(xs) > 1 else 0.
+
+def verdict(r, noise, goal, le=True)->str:
+    if r is None: return '—'
+    if (r <= goal) if le else (r >= goal): return 'yes'
+    return 'within noise' if ((r-noise <= goal) if le else (r+noise >= goal)) else 'no'
+
+def time_row(measure, num, den, goal):
+    "A row from paired per-round ratios num[i]/den[i]"
+    r,noise = summary([a/b for a,b in zip(num, den)])
+    return [measure, f'{r:.3f} ± {noise:.3f}', f'<= {goal:.2f}', verdict(r, noise, goal)]
+
+def na_row(measure, goal, why): return [measure, why, goal, '—']
+
+# -- 1. time per epoch: ours / fastai's / a hand-written loop -------------------------------------------------------
+def speed_section(sz, repeats, warmup):
+    b,k = sz['b'],sz['k']
+    ds = images(b*k*sz['windows'], sz['px'])
+    net = partial(conv_net, sz['width'])
+    contenders = {'ours':   partial(fit_time, learner(net(), ds, b, [GradientAccumulation(k)])),
+                  'fastai': partial(fit_time, learner(net(), ds, b, [FastaiGA(n_acc=b*k)])),
+                  'hand':   hand_loop(net(), ds, b, k)}
+    t,errs = rounds(contenders, repeats, warmup)
+    if errs: raise RuntimeError(errs)
+    rows = [time_row(f'time/epoch: ours / fastai `GradientAccumulation(n_acc={b*k})`', t['ours'], t['fastai'], 1.00),
+            time_row('time/epoch: ours / hand-written PyTorch loop', t['ours'], t['hand'], 1.05)]
+    return rows, {f'{n} s/epoch': summary(v) for n,v in t.items()}
+
+# -- 2. memory training adds (fresh forked process per configuration) -----------------------------------------------
+def _status_kb(field):
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(field): return int(line.split()[1])
+
+def _reset_peak()->bool:
+    try:
+        with open('/proc/self/clear_refs', 'w') as f: f.write('5')   # Linux >= 4.0: VmHWM := VmRSS
+        return True
+    except OSError: return False
+
+def _fixed_malloc():
+    "glibc: mmap every block over 128 KiB and give freed memory back, so RSS follows what is allocated"
+    try:
+        import ctypes
+        libc = ctypes.CDLL('libc.so.6')
+        libc.mallopt(-3, 128*1024); libc.mallopt(-1, 128*1024)   # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (fixed: no dynamic growth)
+    except (OSError, AttributeError): pass
+
+def _mem_worker(sz, config, conn):
+    try:
+        import gc, resource
+        _fixed_malloc()
+        b,k = sz['b'],sz['k']
+        bs,n_acc = {'big': (b*k, 1), 'accum': (b, k), 'micro': (b, 1)}[config]
+        def make(windows):
+            return learner(conv_net(sz['width']), images(b*k*windows, sz['px']), bs, [GradientAccumulation(n_acc)]*(n_acc > 1))
+        # A throw-away fit of the same shapes first: the library code pages it touches count in RSS too
+        warm = make(1); fit_time(warm); del warm
+        learn = make(sz['mem_windows'])
+        gc.collect()
+        if _reset_peak(): base,peak,method = _status_kb('VmRSS'),lambda: _status_kb('VmHWM'),'peak RSS (VmHWM after clear_refs)'
+        else:
+            base,method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,'ru_maxrss (peak reset unavailable)'
+            peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        fit_time(learn)
+        conn.send(dict(kb=peak()-base, method=method))
+    except BaseException as e: conn.send(dict(error=f'{type(e).__name__}: {e}'))
+    finally: conn.close()
+
+def _forked(target, *args):
+    "Run `target(*args, conn)` in a fresh process (fork where there is one: no second import) and return what it sends"
+    ctx = multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
+    recv,send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=target, args=(*args, send)); p.start(); send.close()
+    try: res = recv.recv()
+    except EOFError: res = dict(error=f'worker died (exit code {p.join() or p.exitcode})')
+    p.join()
+    return res
+
+def memory_section(sz):
+    b,k = sz['b'],sz['k']
+    m = {c: _forked(_mem_worker, sz, c) for c in ('big', 'accum', 'micro')}
+    names = (f'memory: micro-batch {b} x {k} / batch {b*k}', f'memory: micro-batch {b} x {k} / batch {b} alone')
+    bad = next((v['error'] for v in m.values() if 'error' in v), None)
+    if bad: return [na_row(names[0], '< 0.5', f'error: {bad}'), na_row(names[1], '<= 1.1', f'error: {bad}')], {}, 'n/a'
+    big,acc,mic = (m[c]['kb']/1024 for c in ('big', 'accum', 'micro'))
+    # Memory linear in the batch, M(n) = fixed + a*n: the share of M(b*k) that scales with the batch
+    share = (big-mic)/(b*(k-1))*b*k/big if big > 0 else float('nan')
+    r1,r2 = acc/big,acc/mic
+    goal1 = f'< 0.5 (≈ {1-share*(1-1/k):.2f} from the {share:.0%} activation share)'
+    rows = [[names[0], f'{r1:.3f}', goal1, verdict(r1, 0, 0.5)],
+            [names[1], f'{r2:.3f}', '<= 1.1', verdict(r2, 0, 1.1)]]
+    raw = {f'{c} MiB added': v for c,v in zip((f'batch {b*k}', f'{b} x {k} (ours)', f'{b} alone'), (big,acc,mic))}
+    return rows, raw, m['big']['method']
+
+# -- 3. BatchNormAccumulation modes / plain accumulation ------------------------------------------------------------
+def bn_section(sz, repeats, warmup):
+    goals = dict(pool=1.03)
+    try: from accum_callback.batchnorm import BatchNormAccumulation
+    except ImportError: return [na_row(f"time/epoch: `BatchNormAccumulation('{m}')` / plain accumulation",
+                                       f"<= {goals.get(m, 1.03):.2f}", 'n/a (not installed)') for m in BN_MODES], {}
+    b,k = sz['b'],sz['k']
+    ds,rows = images(b*k*sz['windows'], sz['px']),[]
+    def make(cbs): return partial(fit_time, learner(conv_net(sz['width']), ds, b, [GradientAccumulation(k), *cbs]))
+    contenders = {'plain': make([]), **{m: make([BatchNormAccumulation(m)]) for m in BN_MODES}}
+    t,errs = rounds(contenders, repeats, warmup)   # a mode that cannot run says so in its row
+    if 'plain' in errs: raise RuntimeError(errs['plain'])
+    for m in BN_MODES:
+        name = f"time/epoch: `BatchNormAccumulation('{m}')` / plain accumulation"
+        goal = goals.get(m, 1.03)
+        rows.append(na_row(name, f'<= {goal:.2f}', errs[m]) if m in errs else time_row(name, t[m], t['plain'], goal))
+    return rows, {f'BN {n} s/epoch': summary(v) for n,v in t.items() if v}
+
+# -- 4. DDP, 2 CPU processes over gloo: all-reduces and time with and without `no_sync` (bench/ddp_bench.py's runs) --
+def _free_port():
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+def _ddp_worker(rank, world, port, dd, repeats, warmup, out):
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ddp_bench
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        # `ddp_bench.run`: one fit of an MLP under `GradientAccumulation`, as shipped ('no_sync') or with a DDP whose
+        # `no_sync` does nothing ('sync_every'); all-reduce rounds counted by a communication hook, wall = slower rank
+        res = {v: [] for v in ('no_sync', 'sync_every')}
+        if warmup: ddp_bench.run(rank, world, dd['k'], dd['b'], 1, dd['hidden'], 'no_sync')
+        for r in range(repeats):
+            for v in (list(res) if r % 2 == 0 else list(res)[::-1]):
+                res[v].append(ddp_bench.run(rank, world, dd['k'], dd['b'], dd['steps'], dd['hidden'], v))
+        if rank == 0: torch.save(res, out)
+    finally: dist.destroy_process_group()
+
+def ddp_section(dd, repeats, warmup):
+    k = dd['k']
+    names = (f'DDP all-reduce rounds/epoch: with `no_sync` / without, k={k}', 'DDP time/epoch: with `no_sync` / without')
+    ctx = multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
+    with tempfile.TemporaryDirectory() as d:
+        out,port = os.path.join(d, 'ddp.pt'),_free_port()
+        ps = [ctx.Process(target=_ddp_worker, args=(r, 2, port, dd, repeats, warmup, out)) for r in range(2)]
+        for p in ps: p.start()
+        for p in ps: p.join(600)
+        if not os.path.exists(out):
+            return [na_row(names[0], f'= 1/{k}', 'error: DDP workers failed'), na_row(names[1], '<= 1.00', 'error')], {}, 'failed'
+        res = torch.load(out, weights_only=False)
+    a,b = res['no_sync'],res['sync_every']
+    r = a[0]['rounds']/b[0]['rounds']
+    rows = [[names[0], f"{a[0]['rounds']}/{b[0]['rounds']} = {r:.3f}", f'= 1/{k} = {1/k:.3f}', verdict(abs(r-1/k), 0, 1e-9)],
+            time_row(names[1], [x['wall'] for x in a], [x['wall'] for x in b], 1.00)]
+    note = f"{a[0]['params']/1e6:.2f}M-parameter MLP, micro-batch {dd['b']} per rank, {a[0]['steps']} steps per fit"
+    return rows, {f'DDP {n} s/fit': summary([x['wall'] for x in v]) for n,v in res.items()}, note
+
+# -- 5. CUDA: resnet18 / resnet50 at 224 px, micro-batch b x k against batch b*k (or the largest that fits) ----------
+def cuda_section(device='cuda', arches=('resnet18', 'resnet50'), px=224, b=32, k=8, windows=2):
+    "Peak memory added (`torch.cuda.max_memory_allocated`) and images/s; on a CPU `device` only the code path runs"
+    import torchvision
+    cuda,rows,raw = torch.device(device).type == 'cuda',[],{}
+    for arch in arches:
+        res = {}
+        for name,bs,n_acc in (('accum', b, k), ('big', b*k, 1)):
+            while True:
+                learn = None
+                try:
+                    model = getattr(torchvision.models, arch)(num_classes=10)
+                    ds = images(bs*n_acc*windows, px)
+                    learn = learner(model, ds, bs, [GradientAccumulation(n_acc)] if n_acc > 1 else [], device=device)
+                    learn.model.to(device); fit_time(learn)   # warm-up (kernels, allocator)
+                    if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+                    secs = fit_time(learn)
+                    if cuda: torch.cuda.synchronize(); mem = (torch.cuda.max_memory_allocated()-base)/2**20
+                    res[name] = dict(bs=bs, mem=mem if cuda else None, ips=len(ds)/secs)
+                    break
+                except torch.cuda.OutOfMemoryError:
+                    if bs == 1 or name == 'accum': raise
+                    bs //= 2   # the largest batch that fits
+                finally:
+                    learn = model = None
+                    if cuda: torch.cuda.empty_cache()
+        a,g = res['accum'],res['big']
+        label = f'{arch} {px}px: micro-batch {b} x {k} / batch {g["bs"]}'
+        if a['mem'] is None: rows.append(na_row(f'CUDA {label} memory', '< 0.5', 'n/a (not a CUDA device)'))
+        else: r = a['mem']/g['mem']; rows.append([f'CUDA {label} memory', f'{r:.3f}', '< 0.5', verdict(r, 0, 0.5)])
+        rows.append([f'CUDA {label} images/s', f"{a['ips']/g['ips']:.3f}", '≈ 1 (info)', '—'])
+        raw.update({f'CUDA {arch} {n} (bs {v["bs"]})': (v['ips'], v['mem']) for n,v in res.items()})
+    return rows, raw
+
+# -- report ---------------------------------------------------------------------------------------------------------
+def machine()->str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f: cpu = next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
+    except (OSError, StopIteration): pass
+    gpu = f', GPU {torch.cuda.get_device_name()}' if torch.cuda.is_available() else ''
+    load = f', load average {os.getloadavg()[0]:.2f} at start' if hasattr(os, 'getloadavg') else ''
+    return (f'{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{gpu}; torch {torch.__version__}, '
+            f'fastai {fastai.__version__}, Python {platform.python_version()}, {platform.system()}{load}')
+
+def table(rows)->str:
+    return '\n'.join(['| measure | ratio | goal | met? |', '|---|---|---|---|'] + ['| ' + ' | '.join(r) + ' |' for r in rows])
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--quick', action='store_true', help='tiny sizes and one repeat (smoke test; the ratios mean nothing)')
+    p.add_argument('--repeats', type=int, default=None, help='timed rounds per contender (default 7; 1 with --quick)')
+    p.add_argument('--out', help='also write the markdown to this file')
+    p.add_argument('--no-ddp', action='store_true', help='skip the 2-process DDP rows')
+    p.add_argument('--threads', type=int, default=1, help='torch CPU threads (default 1: on a shared CPU, OpenMP threads '
+                   'spin-waiting on a busy core slow an epoch by up to 30x and drown the ratios)')
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sz,repeats = SIZES['quick' if args.quick else 'default'],args.repeats or (1 if args.quick else 7)
+    t0,started = time.perf_counter(),datetime.datetime.now().strftime('%Y-%m-%d %H:%M')
+    mach,warmup = machine(),not args.quick   # the machine first (the load average)
+    def section(name, f, *a):
+        t = time.perf_counter(); res = f(*a)
+        print(f'bench: {name} done in {time.perf_counter()-t:.0f} s', file=sys.stderr, flush=True)
+        return res
+    # Processes fork before this one runs a tensor op (an OpenMP pool is not fork-safe): memory, then DDP, then timings
+    mem_rows,mem_raw,method = section('memory', memory_section, sz)
+    if args.no_ddp: ddp_rows,ddp_raw,ddp_note = [na_row('DDP', '—', 'skipped (--no-ddp)')],{},'skipped'
+    else: ddp_rows,ddp_raw,ddp_note = section('DDP', ddp_section, sz['ddp'], repeats, warmup)
+    speed_rows,speed_raw = section('time', speed_section, sz, repeats, warmup)
+    bn_rows,bn_raw = section('BatchNorm', bn_section, sz, repeats, warmup)
+    if torch.cuda.is_available(): cuda_rows,cuda_raw = section('CUDA', cuda_section)
+    else: cuda_rows,cuda_raw = [na_row('CUDA resnet18 / resnet50 224px: memory and images/s', '—', 'skipped: no CUDA device')],{}
+    b,k = sz['b'],sz['k']
+    cmd = ' '.join(['python bench/bench.py', *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    raw = {**speed_raw, **bn_raw, **ddp_raw}
+    md = '\n'.join([
+        f'## Benchmark ({started})', '',
+        table(speed_rows + mem_rows + bn_rows + ddp_rows + cuda_rows), '',
+        f'- machine: {mach}',
+        f'- command: `{cmd}`'
+        f' ({time.perf_counter()-t0:.0f} s wall)',
+        f'- setup: conv net (4 conv-BN-ReLU blocks, width {sz["width"]}), {sz["px"]}px random images, micro-batch {b}, '
+        f'k = {k} micro-batches per window ({b*k} items), {sz["windows"]} windows per epoch, SGD (momentum {MOM}) '
+        'through `OptimWrapper` in every Learner; time = training phase of one epoch, no progress bar or logging',
+        f'- timing: {repeats} timed round(s){" after a warm-up round" if warmup else ""}, contenders alternating '
+        '(order rotating); ratio = median '
+        'of the per-round ratios ± 1.4826 x MAD; "within noise" = missed by less than that spread',
+        f'- memory: {method} added by `fit` in a fresh process per configuration over its baseline after model and data; '
+        + ', '.join(f'{n} {v:.1f}' for n,v in mem_raw.items()),
+        f'- DDP: `bench/ddp_bench.py` runs, 2 CPU processes over gloo, 1 thread each, {ddp_note}; "without" = a DDP whose '
+        '`no_sync` does nothing (every micro-batch all-reduces, as with fastai\'s callback); time = slower rank\'s fit',
+        '- medians (s ± spread): ' + ', '.join(f'{n} {m:.3f} ± {s:.3f}' for n,(m,s) in raw.items()),
+    ] + (['- CUDA (images/s, MiB added): ' + ', '.join(f'{n} {i:.0f}, {m:.0f}' for n,(i,m) in cuda_raw.items())]
+         if cuda_raw else []))
+    print(md)
+    if args.out:
+        with open(args.out, 'w') as f: f.write(md + '\n')
+    return md
+
+if __name__ == '__main__': main()

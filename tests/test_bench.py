@@ -1,0 +1,64 @@
+"Smoke test of `bench/bench.py`: `--quick` prints the whole table (every row, no errors); no timing is asserted"
+import importlib.util, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT/'bench'/'bench.py'
+BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location('bench_script', SCRIPT)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+def table_rows(md):
+    "The cells of every body row of the markdown table"
+    lines = [l for l in md.splitlines() if l.startswith('| ')][1:]   # drop the header
+    return [[c.strip() for c in l.strip('|').split(' | ')] for l in lines]
+
+@pytest.fixture(scope='module')
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')/'bench.md'
+    res = subprocess.run([sys.executable, str(SCRIPT), '--quick', '--out', str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout, out.read_text()
+
+def test_quick_prints_every_row(quick):
+    stdout,written = quick
+    assert '| measure | ratio | goal | met? |' in stdout
+    rows = table_rows(stdout)
+    assert all(len(r) == 4 for r in rows), rows
+    expected = ['time/epoch: ours / fastai `GradientAccumulation(n_acc=16)`', 'time/epoch: ours / hand-written PyTorch loop',
+                'memory: micro-batch 4 x 4 / batch 16', 'memory: micro-batch 4 x 4 / batch 4 alone',
+                *[f"time/epoch: `BatchNormAccumulation('{m}')` / plain accumulation" for m in BN_MODES],
+                'DDP all-reduce rounds/epoch', 'DDP time/epoch', 'CUDA']
+    names = [r[0] for r in rows]
+    for e in expected: assert sum(n.startswith(e) for n in names) >= 1, f'no row {e!r} in {names}'
+    assert len(rows) == len(expected), names
+    for name,ratio,goal,met in rows:
+        assert 'error' not in ratio, (name, ratio)
+        if not name.startswith('CUDA'): assert met in ('yes', 'no', 'within noise'), (name, met)
+    # the all-reduce count is exact, not timing: one round per window instead of one per micro-batch
+    assert next(r for r in rows if r[0].startswith('DDP all-reduce'))[3] == 'yes'
+    assert ('skipped: no CUDA device' in stdout) != __import__('torch').cuda.is_available()
+    for line in ('- machine: ', '- command: `python bench/bench.py --quick --out ', '- memory: ', 'torch '):
+        assert line in stdout, line
+    assert written.strip() == stdout.strip()
+
+def test_cuda_path_runs_on_cpu():
+    "The CUDA section's code path, on the CPU with tiny sizes: memory is n/a there, images/s is a ratio"
+    rows,raw = load_bench().cuda_section('cpu', arches=('resnet18',), px=32, b=2, k=2, windows=1)
+    assert [r[0] for r in rows] == ['CUDA resnet18 32px: micro-batch 2 x 2 / batch 4 memory',
+                                    'CUDA resnet18 32px: micro-batch 2 x 2 / batch 4 images/s']
+    assert rows[0][1] == 'n/a (not a CUDA device)' and float(rows[1][1]) > 0
+    assert len(raw) == 2
+
+def test_verdict_and_ratio():
+    b = load_bench()
+    assert b.verdict(0.99, 0.01, 1.0) == 'yes' and b.verdict(1.005, 0.01, 1.0) == 'within noise'
+    assert b.verdict(1.2, 0.01, 1.0) == 'no' and b.verdict(None, 0, 1.0) == '—'
+    row = b.time_row('m', [1.0, 2.0, 3.0], [1.0, 2.0, 3.0], 1.0)
+    assert row == ['m', '1.000 ± 0.000', '<= 1.00', 'yes']
