@@ -156,20 +156,18 @@ class BatchRenorm(nn.Module):
         r_max,d_max = self.limits()
         self.renorm_steps += 1
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        var,mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
-        std = (var + self.eps).sqrt()
-        with torch.no_grad():
-            rstd = (rv + self.eps).sqrt()
+        with torch.no_grad():   # r and d are constants to the backward (Ioffe 2017); the batch statistics are not
+            var,mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
+            std,rstd = (var + self.eps).sqrt(),(rv + self.eps).sqrt()
             r = (std/rstd).clamp_(1/r_max, r_max)
             d = ((mean-rm)/rstd).clamp_(-d_max, d_max)
             self.num_batches_tracked.add_(1)
             m = 1/float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            rm.lerp_(mean.detach().to(rm.dtype), m); rv.lerp_((var.detach()*(n/(n-1))).to(rv.dtype), m)
-        scale = r/std
-        shift = d - mean*scale
-        if self.affine: scale,shift = scale*self.weight, shift*self.weight + self.bias
-        shape = (1, -1) + (1,)*(x.dim()-2)
-        return torch.addcmul(shift.view(shape), xf, scale.view(shape)).to(x.dtype)
+            rm.lerp_(mean.to(rm.dtype), m); rv.lerp_((var*(n/(n-1))).to(rv.dtype), m)
+        # (x-mean_B)/std_B*r + d, then the affine: BatchNorm's fused kernel with weight w*r and bias w*d + b computes it,
+        # differentiating through the batch statistics as Batch Renorm does (1.25x BatchNorm here, 1.46x unfused)
+        w,b = (self.weight, self.bias) if self.affine else (1., 0.)
+        return F.batch_norm(xf, None, None, w*r, w*d + b, True, 0., self.eps).to(x.dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # as BatchNorm: state dicts from before `num_batches_tracked` existed load with a count of 0

@@ -339,3 +339,25 @@ def test_pool_error_inside_batchnorm_forward():
     with pytest.raises(ValueError, match='more than 1 value'): learn.fit(1)   # the last micro-batch holds one item
     assert model.bn1.running_mean is rm and model.bn1.running_var is rv and model.bn1.momentum == 0.1
     assert torch.isfinite(rm).all() and not model.bn1._forward_hooks
+
+@pytest.mark.parametrize('shape', [(8, 6), (4, 6, 5), (3, 6, 4, 4)])
+def test_batchrenorm_gradients_follow_the_paper(shape):
+    "Output and gradients equal the explicit formula with r and d held constant (Ioffe 2017), r and d clipped"
+    torch.manual_seed(0)
+    m = BatchRenorm(6, r_max=1.5, d_max=0.5); m.train()
+    with torch.no_grad(): m.running_mean.uniform_(-1, 1); m.running_var.uniform_(0.2, 3); m.weight.uniform_(0.5, 2); m.bias.uniform_(-1, 1)
+    m.renorm_steps = 10**6                                   # past the ramp: full r_max, d_max
+    rm, rv = m.running_mean.clone(), m.running_var.clone()
+    x = (torch.randn(*shape)*2 + 0.7).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    y = m(x); g = torch.randn_like(y); y.backward(g)
+    dims = [0, *range(2, x.dim())]; view = (1, -1) + (1,)*(x.dim()-2)
+    var, mean = torch.var_mean(x2, dim=dims, correction=0); std = (var + m.eps).sqrt(); rstd = (rv + m.eps).sqrt()
+    r = (std/rstd).detach().clamp(1/1.5, 1.5); d = ((mean - rm)/rstd).detach().clamp(-0.5, 0.5)
+    w, b = m.weight.detach().clone().requires_grad_(), m.bias.detach().clone().requires_grad_()
+    ref = (((x2 - mean.view(view))/std.view(view))*r.view(view) + d.view(view))*w.view(view) + b.view(view)
+    ref.backward(g)
+    assert (r != 1).any() and (d.abs() == 0.5).any()         # the correction and its clipping are active
+    assert torch.allclose(y, ref, atol=1e-5)
+    assert torch.allclose(x.grad, x2.grad, atol=1e-5)
+    assert torch.allclose(m.weight.grad, w.grad, atol=1e-5) and torch.allclose(m.bias.grad, b.grad, atol=1e-5)
