@@ -1,6 +1,6 @@
 "Build, fine-tune and report on an image classifier with gradient accumulation and a BatchNorm mode"
 from __future__ import annotations
-import contextlib, json, time
+import contextlib, random, json, time
 from pathlib import Path
 
 import torch, torch.nn as nn
@@ -143,6 +143,9 @@ def finetune(dls, arch:str=DEFAULT_ARCH, weights:str|None=None, micro_bs:int=4, 
     "Fine-tune `arch` (from `weights`) on `dls` with `n_step` micro-batches per step; return the learner and metrics"
     if threads: torch.set_num_threads(threads)
     set_seed(seed, reproducible=True)
+    # fastai loaders draw their shuffling seed from Python's `random` when they are built, before this call: reseed
+    # them, so that the same `seed` gives the same sample order, whatever ran before in the process
+    for i,dl in enumerate(dls.loaders): dl.rng = random.Random(seed+i)
     model = create_model(arch, dls.c)
     n_loaded = load_weights(model, weights, arch) if weights else 0
     pretrained = n_loaded > 0
