@@ -20,11 +20,12 @@ def run_study(
     epochs:int=3, # fine-tuning epochs (the CLI default)
     effective_bs:int=32, # the large-batch reference's batch size, and every run's items per optimizer step
     lr:float=3e-3, size:int=32, arch:str=DEFAULT_ARCH,
+    pretrained:bool=True, # start from the digits 0-4 checkpoint (the CLI default), or from random weights
     csv=None, # append each finished run to this CSV (a long study can be read while it runs)
     verbose:bool=True,
 )->pd.DataFrame:
     "One row per run: `config`, `micro_bs`, `n_step`, `bn`, `seed`, `accuracy`, `seconds`"
-    weights = str(pretrained_checkpoint(arch, size))
+    weights = str(pretrained_checkpoint(arch, size)) if pretrained else None
     configs = [(effective_bs, 'none')] + [(m, b) for m in micro_bss for b in modes]
     rows = []
     if csv is not None and Path(csv).exists(): Path(csv).unlink()

@@ -118,10 +118,11 @@ AUTO_FULL_BS = 16   # micro-batches at least this large: plain BatchNorm statist
 def auto_bn(micro_bs:int, n_step:int, pretrained:bool, has_bn:bool=True)->str:
     "The `--bn auto` choice, by micro-batch size and whether the network starts from pretrained weights"
     if not has_bn or n_step == 1 or micro_bs >= AUTO_FULL_BS: return 'none'
-    # Measured (pretrained transfer, 3 seeds): 'renorm' was the closest to the large batch at micro-batch 2 (-0.7 pts,
-    # smallest spread) and 4 (0.0); 'freeze' lost ~23 pts. From scratch the running statistics Batch Renorm corrects
-    # towards mean nothing yet: 'pool' (the large batch's running statistics, whatever the start) is chosen there.
-    return 'renorm' if pretrained else 'pool'
+    # Measured (docs/study_results.csv, pretrained, 5 seeds; docs/study_scratch.csv, from scratch, 3 seeds): 'pool' was
+    # the closest to the large batch at micro-batch 2 both ways (-0.34 and -1.49 points) and within noise of the best
+    # at 4. 'freeze', the usual advice for pretrained networks, lost 21 points; 'renorm' and 'groupnorm' lost 0.9-4.3.
+    # So the measured choice is the same with and without pretrained weights.
+    return 'pool'
 
 def _bn_callback(mode:str):
     "The `BatchNormAccumulation` callback for `mode`, which converts the model itself for 'groupnorm' and 'renorm'"

@@ -120,6 +120,17 @@ def test_auto_rule():
     assert auto_bn(4, 8, True, has_bn=False) == 'none'
     for mbs in (2, 4, 8): assert auto_bn(mbs, 32//mbs, True) != 'none' and auto_bn(mbs, 32//mbs, False) != 'none'
 
+@pytest.mark.parametrize('csv,pretrained', [('study_results.csv', True), ('study_scratch.csv', False)])
+def test_auto_rule_follows_the_recorded_study(csv, pretrained):
+    "`auto` picks, at each micro-batch size studied, a mode within 0.5 point of the best mean measured there"
+    pd = pytest.importorskip('pandas')
+    df = pd.read_csv(ROOT/'docs'/csv)
+    means = df[df.config != 'large batch'].groupby(['micro_bs', 'bn']).accuracy.mean()
+    for mbs, by_mode in means.groupby(level=0):
+        by_mode = by_mode.droplevel(0)
+        pick = auto_bn(mbs, 32//mbs, pretrained)
+        assert pick in by_mode and by_mode[pick] >= by_mode.max() - 0.005, (mbs, pick, by_mode.to_dict())
+
 # -- the real default, timed (run by hand for docs/main_job.md; the suite keeps the one-epoch run above) ----------
 @pytest.mark.slow
 def test_default_full(tmp_path, monkeypatch):
