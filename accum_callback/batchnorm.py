@@ -89,8 +89,9 @@ def bn_to_groupnorm(
     stats,single = [],[]
     def fn(bn, name):
         g = _groups(bn.num_features, num_groups)
-        gn = nn.GroupNorm(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
+        gn = (GroupNormAct if _is_norm_act(bn) else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
         if bn.affine: gn.weight,gn.bias = bn.weight,bn.bias
+        _keep_act(bn, gn)
         gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
         if _has_stats(bn): stats.append(name)
         if isinstance(bn, nn.BatchNorm1d) and g == bn.num_features: single.append(name)
@@ -181,6 +182,19 @@ class BatchRenorm(nn.Module):
                 f"track_running_stats={self.track_running_stats}, r_max={self.r_max}, d_max={self.d_max}, "
                 f"warmup={self.warmup}, ramp={self.ramp}")
 
+# timm's norm-act layers (`BatchNormAct2d`, a BatchNorm2d subclass used by EfficientNet, RegNet, ...) apply dropout and
+# an activation after normalising: a conversion that dropped them would silently change the network.
+def _is_norm_act(bn)->bool: return isinstance(getattr(bn, 'act', None), nn.Module) and isinstance(getattr(bn, 'drop', None), nn.Module)
+def _keep_act(bn, new):
+    if _is_norm_act(bn): new.drop,new.act = bn.drop,bn.act
+
+class _NormAct:
+    "Normalise, then the dropout and activation the converted timm norm-act layer carried (same state-dict keys)"
+    def forward(self, x): return self.act(self.drop(super().forward(x)))
+
+class GroupNormAct(_NormAct, nn.GroupNorm): "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+class BatchRenormAct(_NormAct, BatchRenorm): "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+
 def bn_to_batchrenorm(
     module:nn.Module, # a model (or a single BatchNorm layer)
     r_max:float=3., # largest std correction once ramped
@@ -203,8 +217,10 @@ def bn_to_batchrenorm(
     kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
     BatchRenorm(1, **kw)   # validate before touching the model
     def fn(bn, name):
-        new = BatchRenorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
+        cls = BatchRenormAct if _is_norm_act(bn) else BatchRenorm
+        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
         if bn.affine: new.weight,new.bias = bn.weight,bn.bias
+        _keep_act(bn, new)
         new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked
         return new.train(bn.training)
     return _convert(module, fn)

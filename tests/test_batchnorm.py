@@ -7,12 +7,13 @@ from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from fastai.losses import CrossEntropyLossFlat
 from fastai.optimizer import SGD
+from fastai.learner import Learner
 from fastai.vision.learner import vision_learner
 from torchvision.models import resnet18
 
 from accum_callback import (BatchNormAccumulation, BN_MODES, BatchRenorm, GradientAccumulation, accumulated_momentum,
                             bn_to_batchrenorm, bn_to_groupnorm)
-from helpers import make_data, make_learner, rel_err
+from helpers import fit_quiet, make_data, make_dls, make_learner, rel_err
 
 STATS_TOL = 1e-6   # relative (norm) error of pooled running statistics against the large-batch run
 OUT_TOL = 1e-5     # absolute error between two float32 computations of the same normalisation
@@ -361,3 +362,56 @@ def test_batchrenorm_gradients_follow_the_paper(shape):
     assert torch.allclose(y, ref, atol=1e-5)
     assert torch.allclose(x.grad, x2.grad, atol=1e-5)
     assert torch.allclose(m.weight.grad, w.grad, atol=1e-5) and torch.allclose(m.bias.grad, b.grad, atol=1e-5)
+
+# -- timm: norm-act layers (BatchNormAct2d = BatchNorm2d + dropout + activation) ---------------------------------------
+def _timm_bn_act(c=8):
+    layers = pytest.importorskip('timm.layers')
+    torch.manual_seed(0)
+    bn = layers.BatchNormAct2d(c, act_layer=nn.SiLU)
+    with torch.no_grad(): bn.weight.uniform_(0.5, 2); bn.bias.uniform_(-1, 1); bn.running_mean.uniform_(-1, 1); bn.running_var.uniform_(0.5, 2)
+    return bn
+
+def test_timm_norm_act_keeps_its_activation_in_conversions():
+    x = torch.randn(4, 8, 5, 5)
+    gn = bn_to_groupnorm(_timm_bn_act(), num_groups=4)
+    assert isinstance(gn.act, nn.SiLU) and gn.weight is not None
+    assert torch.allclose(gn(x), F.silu(F.group_norm(x, 4, gn.weight, gn.bias, gn.eps)), atol=1e-6)
+    bn = _timm_bn_act().eval(); ref = bn(x)
+    rn = bn_to_batchrenorm(bn)
+    assert isinstance(rn, BatchRenorm) and isinstance(rn.act, nn.SiLU)
+    assert torch.equal(rn(x), ref)                                   # eval output identical, activation included
+    assert set(rn.state_dict()) == set(_timm_bn_act().state_dict())  # same keys as timm's layer
+
+def test_timm_efficientnet_conversions_and_pool():
+    timm = pytest.importorskip('timm')
+    torch.manual_seed(0)
+    m = timm.create_model('efficientnet_b0', pretrained=False, num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32); ref = m(x)
+    n_act = sum(_is_act(mm) for mm in m.modules())
+    assert n_act > 0
+    m2 = bn_to_batchrenorm(m)
+    assert not any(isinstance(mm, nn.modules.batchnorm._BatchNorm) for mm in m2.modules())
+    assert sum(_is_act(mm) for mm in m2.modules()) == n_act
+    assert torch.equal(m2(x), ref)
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); g = bn_to_groupnorm(timm.create_model('efficientnet_b0', pretrained=False))
+    assert sum(isinstance(mm, nn.GroupNorm) and _is_act(mm) for mm in g.modules()) == n_act
+
+def _is_act(m): return isinstance(getattr(m, 'act', None), nn.SiLU)
+
+def test_pool_with_a_timm_norm_act_layer():
+    "'pool' running statistics of a BatchNormAct2d equal the large batch's (lr 0: the weights stay put)"
+    pytest.importorskip('timm')
+    def learner(bs, cbs):
+        torch.manual_seed(0)
+        model = nn.Sequential(_timm_bn_act(3).train(), nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+        g = torch.Generator().manual_seed(1)
+        ds = torch.utils.data.TensorDataset(torch.randn(40, 3, 6, 6, generator=g)*2+1, torch.randint(0, 2, (40,), generator=g))
+        learn = Learner(make_dls(ds, bs), model, loss_func=nn.CrossEntropyLoss(), lr=0., cbs=cbs)
+        return learn
+    big = learner(16, []); fit_quiet(big, 1)
+    small = learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')]); fit_quiet(small, 1)
+    b, s = big.model[0], small.model[0]
+    assert int(s.num_batches_tracked) == int(b.num_batches_tracked) == 3
+    for name in ('running_mean', 'running_var'):
+        got, want = getattr(s, name), getattr(b, name)
+        assert ((got-want).norm()/want.norm()).item() <= 1e-6
