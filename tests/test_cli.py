@@ -68,6 +68,16 @@ def test_folder(cache, tmp_path):
     assert (m['n_train'], m['n_valid']) == (21, 9) and m['optimizer_steps'] == 2*3   # 10 micro-batches: 2 full + 1 partial
     assert m['accuracy'] >= 0.5 and str(data) in m['data']
 
+def test_timm_arch_with_groupnorm(tmp_path):
+    "A timm model by name (random weights: no download), its BatchNormAct layers converted to GroupNorm"
+    pytest.importorskip('timm')
+    data,out = make_folder(tmp_path/'imgs'),tmp_path/'out'
+    res = run_cli('--data', data, '--arch', 'timm/resnet10t', '--weights', 'none', '--size', 16, '--micro-bs', 4,
+                  '--n-step', 2, '--bn', 'groupnorm', '--epochs', 1, '--out', out)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((out/'metrics.json').read_text())
+    assert (m['arch'], m['bn'], m['pretrained'], m['optimizer_steps']) == ('timm/resnet10t', 'groupnorm', False, 3)
+
 # -- bad input -------------------------------------------------------------------------------------------------
 def test_missing_folder(tmp_path):
     out = tmp_path/'out'; check_error(run_cli('--data', tmp_path/'nope', '--out', out), out, tmp_path/'nope')
