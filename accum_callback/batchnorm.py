@@ -1,7 +1,7 @@
 "BatchNorm under gradient accumulation: pooled running statistics, the momentum rule, frozen statistics, GroupNorm, Batch Renorm"
 from __future__ import annotations
 import functools, warnings
-from numbers import Integral, Real
+from numbers import Real
 
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -10,17 +10,13 @@ from fastai.callback.core import Callback
 from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
+from .schedule import _whole
 from .guard import CANCELS, add_fit_guard, remove_fit_guard
 
 __all__ = ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'bn_to_groupnorm', 'bn_to_batchrenorm']
 
 BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
 _NEEDS_GA = ('pool', 'momentum')   # modes that read the window structure
-
-def _whole(v, name:str, lo:int=1)->int:
-    if isinstance(v, bool) or not isinstance(v, Integral): raise TypeError(f"`{name}` must be an int >= {lo}, got {v!r}")
-    if v < lo: raise ValueError(f"`{name}` must be >= {lo}, got {v}")
-    return int(v)
 
 def _real(v, name:str, lo:float)->float:
     if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
@@ -126,7 +122,7 @@ class BatchRenorm(nn.Module):
         self.num_features,self.eps,self.momentum = _whole(num_features, 'num_features'),eps,momentum
         self.affine,self.track_running_stats = affine,track_running_stats
         self.r_max,self.d_max = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.)
-        self.warmup,self.ramp = _whole(warmup, 'warmup', 0),_whole(ramp, 'ramp', 0)
+        self.warmup,self.ramp = _whole(warmup, 'warmup', lo=0),_whole(ramp, 'ramp', lo=0)
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
         if affine: self.weight,self.bias = nn.Parameter(torch.ones(num_features, **kw)),nn.Parameter(torch.zeros(num_features, **kw))
         else: self.register_parameter('weight', None); self.register_parameter('bias', None)

@@ -6,11 +6,11 @@ from numbers import Integral, Real
 
 __all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr']
 
-def _whole(v, name:str, where:str)->int:
-    "`v` as an int >= 1, or a `ValueError`/`TypeError` naming `name`"
+def _whole(v, name:str, where:str='', lo:int=1)->int:
+    "`v` as an int >= `lo`, or a `ValueError`/`TypeError` naming `name` (and `where` it was given)"
     if isinstance(v, bool) or not isinstance(v, Integral):
-        raise TypeError(f"`{name}` must be a whole number >= 1{where}, got {v!r} ({type(v).__name__})")
-    if v < 1: raise ValueError(f"`{name}` must be >= 1{where}, got {v}")
+        raise TypeError(f"`{name}` must be a whole number >= {lo}{where}, got {v!r} ({type(v).__name__})")
+    if v < lo: raise ValueError(f"`{name}` must be >= {lo}{where}, got {v}")
     return int(v)
 
 class WindowSchedule:
@@ -29,7 +29,7 @@ class WindowSchedule:
             self.kind,self.fn = 'fn',value
             for i in range(101): self._from_fn(i/100)  # validate over the whole of training, at construction
         else:
-            self.const,self.kind = _whole(value, name, ''),'const'
+            self.const,self.kind = _whole(value, name),'const'
 
     def _from_fn(self, pct:float)->int:
         try: v = float(self.fn(pct))
@@ -68,8 +68,8 @@ def batch_growth_from_lr(lr_sched, base:int, max_value:int|None=None, name:str='
     >>> batch_growth_from_lr({0: 0.1, 3: 0.01}, base=2, max_value=16)
     {0: 2, 3: 16}
     """
-    base = _whole(base, 'base', '')
-    if max_value is not None: max_value = _whole(max_value, 'max_value', '')
+    base = _whole(base, 'base')
+    if max_value is not None: max_value = _whole(max_value, 'max_value')
     cap = (lambda v: v) if max_value is None else (lambda v: min(v, max_value))
     if isinstance(lr_sched, Mapping):
         if 0 not in lr_sched: raise ValueError("`lr_sched` mapping must give the learning rate for epoch 0")
