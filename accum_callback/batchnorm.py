@@ -309,7 +309,10 @@ class BatchNormAccumulation(Callback):
         if s is None: return
         b = bn._buffers
         b['running_mean'],b['running_var'] = s[0],s[1]
-        self._pend.append((bn, inp[0].numel()//bn.num_features, s[2]))
+        n = inp[0].numel()//bn.num_features
+        # SyncBatchNorm wrote statistics over every rank's micro-batch: count them all (ranks of equal micro-batch size)
+        if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized(): n *= dist.get_world_size(bn.process_group)
+        self._pend.append((bn, n, s[2]))
         if b['num_batches_tracked'] is not None: b['num_batches_tracked'].sub_(1)
 
     # -- 'momentum' -------------------------------------------------------------------------------------------------
@@ -366,10 +369,9 @@ class BatchNormAccumulation(Callback):
         self._win.clear()
 
     def after_batch(self):
-        if self._win and self._ga._mb == 0: self._win.clear()   # window closed without a step: dropped or skipped
-
-    def after_train(self):
-        if self._win and self._ga._mb == 0: self._win.clear()   # an open window GradientAccumulation discarded
+        # a window closed without a step (dropped, skipped), or, at `after_train`, an open one GradientAccumulation discarded
+        if self._win and self._ga._mb == 0: self._win.clear()
+    after_train = after_batch
 
     @torch.no_grad()
     def _apply(self):

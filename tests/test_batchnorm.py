@@ -415,3 +415,27 @@ def test_pool_with_a_timm_norm_act_layer():
     for name in ('running_mean', 'running_var'):
         got, want = getattr(s, name), getattr(b, name)
         assert ((got-want).norm()/want.norm()).item() <= 1e-6
+
+def test_pool_counts_every_rank_for_syncbatchnorm(monkeypatch):
+    "SyncBatchNorm's statistics cover all ranks' micro-batches: 'pool' weighs each by the global count (local x world)"
+    import types, accum_callback.batchnorm as bnmod
+    monkeypatch.setattr(bnmod, 'dist', types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                                             get_world_size=lambda group=None: 2))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, generator=g)*torch.tensor([1., 2., 3.]) + 1
+    ds = TensorDataset(x, torch.randint(0, 2, (12,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.SyncBatchNorm(3), nn.Linear(3, 2))   # one process: SyncBatchNorm runs as BatchNorm
+    learn = Learner(make_dls(ds, 4), model, loss_func=nn.CrossEntropyLoss(), lr=0.,
+                    cbs=[GradientAccumulation(3), BatchNormAccumulation('pool')])
+    fit_quiet(learn, 1)
+    parts = x.split(4)
+    # what SyncBatchNorm reports per micro-batch (here: the local statistics), weighed by the global count 2 x 4
+    n = torch.tensor([2.*len(p) for p in parts], dtype=torch.float64)[:, None]
+    means = torch.stack([p.double().mean(0) for p in parts]); vars_ = torch.stack([p.double().var(0) for p in parts])
+    mean = (n*means).sum(0)/n.sum()
+    var = ((n-1)*vars_ + n*(means-mean)**2).sum(0)/(n.sum()-1)
+    bn = learn.model[0]
+    assert torch.allclose(bn.running_mean.double(), 0.1*mean, rtol=1e-6)
+    assert torch.allclose(bn.running_var.double(), 0.9 + 0.1*var, rtol=1e-6)
+    assert int(bn.num_batches_tracked) == 1
