@@ -44,13 +44,6 @@ class WindowSchedule:
         if self.kind == 'fn': return self._from_fn(min(max(pct, 0.), 1.))
         return [v for k,v in self.table if k <= epoch][-1]
 
-    @property
-    def is_constant(self)->bool: return self.kind == 'const'
-    def max(self)->int:
-        "The largest value the schedule can take (probed at 101 points for functions)"
-        if self.kind == 'const': return self.const
-        if self.kind == 'epochs': return max(v for _,v in self.table)
-        return max(self._from_fn(i/100) for i in range(101))
     def __repr__(self): return f"WindowSchedule({self.name}={self.value!r})"
 
 def as_window_schedule(value, name:str)->WindowSchedule|None:
