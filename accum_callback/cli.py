@@ -74,14 +74,14 @@ def _run(args)->int:
     from .data import DataError, check_folder, digits_dls, folder_dls
     from .train import ArchError, DEFAULT_ARCH, check_arch, finetune, plot_training, write_metrics
     check_arch(args.arch)
-    if args.data is not None: check_folder(args.data)
+    images = check_folder(args.data) if args.data is not None else None   # before any pretraining: fail fast
     weights = args.weights
     if weights is None and args.arch == DEFAULT_ARCH:
         from .pretrain import pretrained_checkpoint
         weights = str(pretrained_checkpoint(DEFAULT_ARCH, args.size))
     elif weights == 'none': weights = None
     dls = (digits_dls(args.micro_bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed) if args.data is None else
-           folder_dls(args.data, args.micro_bs, args.size, args.valid_pct, args.seed))
+           folder_dls(args.data, args.micro_bs, args.size, args.valid_pct, args.seed, files=images))
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
         learn,m = finetune(dls, args.arch, weights, args.micro_bs, args.n_step, args.bn, args.epochs, args.lr,

@@ -64,12 +64,12 @@ def check_folder(path)->dict:
         found[c.name] = files
     return found
 
-def folder_dls(path, bs:int, size:int=32, valid_pct:float=0.2, seed:int=42, valid_bs:int=128):
-    "`ImageDataLoaders.from_folder` of a checked folder, resized to `size`, ImageNet-normalised"
+def folder_dls(path, bs:int, size:int=32, valid_pct:float=0.2, seed:int=42, valid_bs:int=128, files:dict|None=None):
+    "`ImageDataLoaders.from_folder` of a checked folder, resized to `size`, ImageNet-normalised (`files`: `check_folder(path)`, if made already)"
     from fastai.vision.data import ImageDataLoaders, imagenet_stats
     from fastai.vision.augment import Resize
     from fastai.data.transforms import Normalize
-    files = check_folder(path)
+    files = check_folder(path) if files is None else files   # decoding every image once is enough
     n = sum(len(v) for v in files.values())
     n_valid = int(round(n*valid_pct))
     if n_valid < 1 or n-n_valid < bs:
