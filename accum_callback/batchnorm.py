@@ -9,11 +9,14 @@ import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastcore.basics import store_attr
 
+from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
+
 from .accumulate import GradientAccumulation
 from .schedule import _whole
-from .guard import CANCELS, add_fit_guard, remove_fit_guard
+from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
 
-__all__ = ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'bn_to_groupnorm', 'bn_to_batchrenorm']
+__all__ = ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d',
+           'BatchRenorm3d', 'bn_to_groupnorm', 'bn_to_batchrenorm']
 
 BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
 _NEEDS_GA = ('pool', 'momentum')   # modes that read the window structure
@@ -42,7 +45,7 @@ def accumulated_momentum(
 def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
     "Replace each `_BatchNorm` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
     memo = {} if memo is None else memo
-    if isinstance(module, _BatchNorm):
+    if _is_bn(module):
         if id(module) not in memo: memo[id(module)] = fn(module, name or '<root>')
         return memo[id(module)]
     for n,child in list(module._modules.items()):   # not `named_children`, which skips a module's second name
@@ -50,6 +53,8 @@ def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
         new = _convert(child, fn, f'{name}.{n}' if name else n, memo)
         if new is not child: module.add_module(n, new)
     return module
+
+def _is_bn(m)->bool: "A BatchNorm layer to convert or treat (a `BatchRenorm` is one to fastai, not to us)"; return isinstance(m, _BatchNorm) and not isinstance(m, BatchRenorm)
 
 def _factory(bn)->dict:
     t = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
@@ -99,13 +104,14 @@ def bn_to_groupnorm(
                              "outputs only its bias; give a smaller `num_groups`", stacklevel=2)
     return res
 
-class BatchRenorm(nn.Module):
-    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, with BatchNorm's
-    parameters and buffers (same state-dict keys). Training normalises with the batch statistics corrected towards the
-    running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
+class BatchRenorm(_BatchNorm):
+    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input: a `_BatchNorm` with
+    BatchNorm's parameters, buffers and state-dict keys. Training normalises with the batch statistics corrected towards
+    the running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
     clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`, `d_max` start at 1, 0
-    (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over `ramp` forwards."""
-    _version = 2
+    (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over `ramp` forwards.
+    `BatchRenorm1d/2d/3d` are also `nn.BatchNorm1d/2d/3d`, so fastai treats them as BatchNorm (`BnFreeze`, `train_bn`,
+    `wd_bn_bias`); the converters pick the one matching the layer they replace."""
     def __init__(self,
         num_features:int, # channels C
         eps:float=1e-5, # added to the variance
@@ -117,21 +123,14 @@ class BatchRenorm(nn.Module):
         warmup:int=0, # training forwards with r_max=1, d_max=0 (plain BatchNorm) first
         ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
         device=None, dtype=None):
-        super().__init__()
-        kw = dict(device=device, dtype=dtype)
-        self.num_features,self.eps,self.momentum = _whole(num_features, 'num_features'),eps,momentum
-        self.affine,self.track_running_stats = affine,track_running_stats
-        self.r_max,self.d_max = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.)
-        self.warmup,self.ramp = _whole(warmup, 'warmup', lo=0),_whole(ramp, 'ramp', lo=0)
+        num_features = _whole(num_features, 'num_features')
+        r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),_whole(warmup, 'warmup', lo=0),_whole(ramp, 'ramp', lo=0)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
-        if affine: self.weight,self.bias = nn.Parameter(torch.ones(num_features, **kw)),nn.Parameter(torch.zeros(num_features, **kw))
-        else: self.register_parameter('weight', None); self.register_parameter('bias', None)
-        if track_running_stats:
-            self.register_buffer('running_mean', torch.zeros(num_features, **kw))
-            self.register_buffer('running_var', torch.ones(num_features, **kw))
-            self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long, device=device))
-        else:
-            for b in ('running_mean', 'running_var', 'num_batches_tracked'): self.register_buffer(b, None)
+
+    def _check_input_dim(self, x):
+        if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
 
     def limits(self)->tuple[float,float]:
         "`(r_max, d_max)` in force now"
@@ -140,7 +139,7 @@ class BatchRenorm(nn.Module):
         return 1 + (self.r_max-1)*f, self.d_max*f
 
     def forward(self, x:torch.Tensor)->torch.Tensor:
-        if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
+        self._check_input_dim(x)
         if x.shape[1] != self.num_features: raise ValueError(f"BatchRenorm({self.num_features}) got {x.shape[1]} channels")
         rm,rv = self.running_mean,self.running_var
         if not (self.training and self.track_running_stats and rm is not None):
@@ -166,13 +165,6 @@ class BatchRenorm(nn.Module):
         w,b = (self.weight, self.bias) if self.affine else (1., 0.)
         return F.batch_norm(xf, None, None, w*r, w*d + b, True, 0., self.eps).to(x.dtype)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # as BatchNorm: state dicts from before `num_batches_tracked` existed load with a count of 0
-        key = prefix + 'num_batches_tracked'
-        if self.track_running_stats and key not in state_dict and (local_metadata.get('version') or 0) < 2:
-            state_dict[key] = self.num_batches_tracked if self.num_batches_tracked is not None else torch.tensor(0, dtype=torch.long)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-
     def extra_repr(self)->str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
                 f"track_running_stats={self.track_running_stats}, r_max={self.r_max}, d_max={self.d_max}, "
@@ -188,8 +180,28 @@ class _NormAct:
     "Normalise, then the dropout and activation the converted timm norm-act layer carried (same state-dict keys)"
     def forward(self, x): return self.act(self.drop(super().forward(x)))
 
+class BatchRenorm1d(BatchRenorm, nn.BatchNorm1d):
+    "`BatchRenorm` for (N,C) or (N,C,L) input; an `nn.BatchNorm1d` to fastai"
+    def _check_input_dim(self, x): nn.BatchNorm1d._check_input_dim(self, x)
+class BatchRenorm2d(BatchRenorm, nn.BatchNorm2d):
+    "`BatchRenorm` for (N,C,H,W) input; an `nn.BatchNorm2d` to fastai"
+    def _check_input_dim(self, x): nn.BatchNorm2d._check_input_dim(self, x)
+class BatchRenorm3d(BatchRenorm, nn.BatchNorm3d):
+    "`BatchRenorm` for (N,C,D,H,W) input; an `nn.BatchNorm3d` to fastai"
+    def _check_input_dim(self, x): nn.BatchNorm3d._check_input_dim(self, x)
+
 class GroupNormAct(_NormAct, nn.GroupNorm): "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer"
 class BatchRenormAct(_NormAct, BatchRenorm): "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+class BatchRenormAct2d(_NormAct, BatchRenorm2d): "`BatchRenorm2d` followed by the `drop` and `act` of a converted timm norm-act layer"
+
+def _renorm_cls(bn):
+    "The BatchRenorm class that replaces `bn`: the same BatchNorm dimension, so fastai's type checks still match"
+    act = _is_norm_act(bn)
+    if isinstance(bn, nn.BatchNorm2d): return BatchRenormAct2d if act else BatchRenorm2d
+    if act: return BatchRenormAct
+    if isinstance(bn, nn.BatchNorm1d): return BatchRenorm1d
+    if isinstance(bn, nn.BatchNorm3d): return BatchRenorm3d
+    return BatchRenorm   # SyncBatchNorm and other _BatchNorm subclasses: any dimension
 
 def bn_to_batchrenorm(
     module:nn.Module, # a model (or a single BatchNorm layer)
@@ -213,8 +225,7 @@ def bn_to_batchrenorm(
     kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
     BatchRenorm(1, **kw)   # validate before touching the model
     def fn(bn, name):
-        cls = BatchRenormAct if _is_norm_act(bn) else BatchRenorm
-        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
+        new = _renorm_cls(bn)(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
         if bn.affine: new.weight,new.bias = bn.weight,bn.bias
         _keep_act(bn, new)
         new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked
@@ -232,7 +243,7 @@ class BatchNormAccumulation(Callback):
     'freeze': BatchNorm layers use their running statistics in training too; affine parameters train if `train_affine`.
     'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
     'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit."""
-    order,run_valid = GradientAccumulation.order+1,False   # reads `GradientAccumulation`'s per-batch state
+    order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
 
     def __init__(self,
         mode:str='pool', # one of `BN_MODES`
@@ -250,13 +261,19 @@ class BatchNormAccumulation(Callback):
 
     # -- fit --------------------------------------------------------------------------------------------------------
     def before_fit(self):
+        # `validate`/`get_preds`/`predict` send `before_fit` too, holding the Learner's lock: no conversion, no hooks and
+        # no raise there (a raise would leave the lock held); everything happens when training starts
+        if in_inference(self.learn): return
         self._restore()   # whatever an interrupted fit left behind
         self._ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
         if self._ga is None and self.mode in _NEEDS_GA:
+            other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)
             raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "
-                             "`GradientAccumulation`, which is not on this Learner: add `GradientAccumulation(n_step=...)` "
-                             "to its callbacks (or call `learn.accumulate(...)`)")
-        bns = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+                             "`accum_callback.GradientAccumulation`, which is not in this fit" +
+                             (" (fastai's `fastai.callback.training.GradientAccumulation` is, and has no windows to read)" if other else "") +
+                             ": add `accum_callback.GradientAccumulation(n_step=...)` to the Learner's callbacks or to this "
+                             "`fit(cbs=...)`, or call `learn.accumulate(...)`")
+        bns = [m for m in self.model.modules() if _is_bn(m)]
         if self.mode in ('groupnorm', 'renorm'):
             if bns: self._convert()
             elif not any(getattr(m, '_from_bn', False) or isinstance(m, BatchRenorm) for m in self.model.modules()): self._warn_none()
@@ -266,7 +283,8 @@ class BatchNormAccumulation(Callback):
         getattr(self, f'_start_{self.mode}')(bns)
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
-    def after_fit(self): self._restore()
+    def after_fit(self):
+        if not in_inference(self.learn): self._restore()
 
     def _warn_none(self):
         if not self._warned: warnings.warn(f"BatchNormAccumulation(mode={self.mode!r}): the model has no BatchNorm layer; "
@@ -282,6 +300,7 @@ class BatchNormAccumulation(Callback):
         # the mode the training loop left the model in (eval after validation), as it would be without this callback
         for bn in self._frozen: bn.train(getattr(self.learn, 'model', bn).training)
         self._hooks,self._saved_mom,self._saved_rg,self._frozen = [],[],[],[]
+        if getattr(self, '_ga', None) is not None: self._ga.remove_window_listener(self._window_closed)
         self._pend.clear(); self._win.clear(); self._stash.clear()
         remove_fit_guard(self.learn, 'batch_norm_accumulation')
 
@@ -293,6 +312,7 @@ class BatchNormAccumulation(Callback):
             bn.momentum = 1.   # after a forward the buffers hold exactly that batch's mean and unbiased variance
             self._hooks += [bn.register_forward_pre_hook(self._pre_hook), bn.register_forward_hook(self._post_hook)]
         self._mom = dict(self._saved_mom)
+        self._ga.on_window_close(self._window_closed)
 
     # Autograd saves the running buffers a BatchNorm forward used: they must not change in place until the backward.
     # So each training forward gets fresh zero buffers (one (2,C) tensor) to write its statistics into; the real ones
@@ -361,17 +381,16 @@ class BatchNormAccumulation(Callback):
                 for bn,m in self._saved_mom: bn.momentum = accumulated_momentum(m, k)
 
     def after_backward(self):
-        # the micro-batch is part of the window now (GradientAccumulation counts it here too)
-        if self._pend: self._win.extend(self._pend); self._pend.clear()
+        # the micro-batch is part of the window now, if GradientAccumulation counted it (another callback may have
+        # cancelled its backward: then its statistics are not pooled)
+        if self._pend:
+            if self._ga.window.counted: self._win.extend(self._pend)
+            self._pend.clear()
 
-    def after_step(self):
-        if self._win and self._ga._stepped: self._apply()
+    def _window_closed(self, stepped:bool):
+        "GradientAccumulation closed the window: one running-statistics update if it stepped, none if not"
+        if self._win and stepped: self._apply()
         self._win.clear()
-
-    def after_batch(self):
-        # a window closed without a step (dropped, skipped), or, at `after_train`, an open one GradientAccumulation discarded
-        if self._win and self._ga._mb == 0: self._win.clear()
-    after_train = after_batch
 
     @torch.no_grad()
     def _apply(self):

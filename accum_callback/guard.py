@@ -1,10 +1,17 @@
-"Clean-up that must run when an exception leaves `fit` without reaching `after_fit` (KeyboardInterrupt, an error)"
+"Fit bookkeeping shared by the callbacks: clean-up when an exception leaves `fit`, and telling a fit from inference"
 from __future__ import annotations
 from fastai.callback.core import CancelEpochException, CancelFitException
 
-__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard']
+__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
+
+def in_inference(learn)->bool:
+    """Is `learn` inside `validate`/`get_preds`/`predict`/`tta` rather than a training `fit`? fastai sends `before_fit`
+    and `after_fit` there too, holding `learn.lock`: a callback must neither set up nor raise then (a raise inside
+    `validation_context` leaves the lock held, and every later `validate` on that Learner blocks forever)."""
+    lock = getattr(learn, 'lock', None)
+    return lock is not None and lock.locked()
 
 class FitGuard:
     """Wraps `learn._do_epoch` for the length of a `fit` (fastai looks it up once per epoch, after `before_fit`):

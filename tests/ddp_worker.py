@@ -91,14 +91,14 @@ class DDPSpy(Callback):
         return ga if isinstance(ga, GradientAccumulation) else None
     def before_batch(self):
         self.n0,self.r0 = self.counter.n_calls,self.counter.n_rounds
-        self.action = getattr(self.ga, '_action', None)
+        self.action = self.ga.window.action if self.ga is not None else None
     def after_backward(self): self.buf.append((self.xb[0].detach().clone(), self.yb[0].detach().clone()))
     def after_batch(self):
         ga = self.ga
         self.micro.append(dict(epoch=self.epoch, iter=self.iter, bs=len(self.yb[0]), action=self.action,
                                buckets=self.counter.buckets[self.n0:], rounds=self.counter.n_rounds-self.r0))
         if ga is None: return
-        if ga._mb == 0:   # the window closed: stepped (GradientAccumulation logged it) or dropped
+        if not ga.window.is_open:   # the window closed: stepped (GradientAccumulation logged it) or dropped
             if len(ga.window_sizes) > len(self.windows):
                 self.windows.append((torch.cat([b[0] for b in self.buf]), torch.cat([b[1] for b in self.buf])))
             self.buf = []

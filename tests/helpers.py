@@ -45,8 +45,13 @@ class WindowSpy(Callback):
     order = GradientAccumulation.order+1
     run_valid = False
     def __init__(self, big_loss=None): self.big_loss = big_loss
-    def before_fit(self): self.buf,self.errs,self.windows = [],[],[]
-    def after_backward(self): self.buf.append((self.xb, self.yb))
+    def before_fit(self):
+        self.buf,self.errs,self.windows = [],[],[]
+        self.learn.gradient_accumulation.on_window_close(self.closed)
+    def after_fit(self): self.learn.gradient_accumulation.remove_window_listener(self.closed)
+    def closed(self, stepped): self.buf = []
+    def after_backward(self):
+        if self.learn.gradient_accumulation.window.counted: self.buf.append((self.xb, self.yb))   # not a cancelled backward
     def before_step(self):
         xb = [torch.cat([b[0][i] for b in self.buf]) for i in range(len(self.xb))]
         yb = [torch.cat([b[1][i] for b in self.buf]) for i in range(len(self.yb))]
@@ -55,8 +60,6 @@ class WindowSpy(Callback):
         ref = flat([p.grad for p in m.parameters()])
         got = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()])
         self.errs.append(rel_err(got, ref)); self.windows.append(len(yb[0]))
-    def after_batch(self):
-        if self.learn.gradient_accumulation._mb == 0: self.buf = []
 
 def fit_quiet(learn, n_epoch, meth='fit', **kw):
     "Fit without progress bars or printed tables (fastai's `no_bar` / `no_logging`)"
@@ -77,3 +80,15 @@ def expected_windows(n, bs, n_epoch, n_step=None, target_bs=None, partial='step'
     return out
 
 def grads_clean(model): return all(p.grad is None or not p.grad.abs().sum() for p in model.parameters())
+
+class StepCounter(Callback):
+    "Counts the optimizer steps that really ran, at the optimizer itself (wrapped at every `before_fit`)"
+    order = -100
+    def __init__(self): self.n = 0
+    def before_fit(self):
+        opt = self.learn.opt
+        if opt is None or getattr(opt.step, '_counted', False): return
+        orig = opt.step
+        def step(*a, **k): self.n += 1; return orig(*a, **k)
+        step._counted = True
+        opt.step = step

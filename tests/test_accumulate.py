@@ -41,9 +41,16 @@ def test_accumulate_patch_adds_replaces_and_validates_first():
     with pytest.raises(ValueError, match='n_step'): learn.accumulate(0)
     assert learn.gradient_accumulation.n_step_sched() == 3   # nothing half-applied
 
-def test_fastai_builtin_alongside_fails_clearly():
+def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_still_works():
+    "The conflict is refused when training starts, naming both classes; validate/get_preds work (and never hang)"
     learn = make_learner(make_data(20), 4, cbs=[GradientAccumulation(2), FastaiGA(8)])
-    with pytest.raises(ValueError, match="fastai's own `GradientAccumulation`"): fit_quiet(learn, 1)
+    with learn.no_bar(), learn.no_logging():
+        learn.validate(); learn.get_preds()   # inference sends before_fit too: no raise there (it would keep learn.lock)
+    assert not learn.lock.locked()
+    with pytest.raises(ValueError, match=r"accum_callback.GradientAccumulation.*fastai.callback.training.GradientAccumulation"):
+        fit_quiet(learn, 1)
+    assert not learn.lock.locked()
+    with learn.no_bar(), learn.no_logging(): assert len(learn.get_preds()[0]) == 8
 
 # -- exactness ---------------------------------------------------------------------------------------------------
 def run_spy(n, bs, n_epoch=2, spy=None, ds=None, **kw):

@@ -39,7 +39,7 @@ class BNNet(nn.Module):
         return self.l2(F.relu(torch.cat([a, b], 1)))
 
 def bn_state(m): return {k:v.clone() for k,v in m.state_dict().items() if 'running' in k or 'num_batches' in k}
-def bns(m): return [l for l in m.modules() if isinstance(l, nn.modules.batchnorm._BatchNorm)]
+def bns(m): "Plain BatchNorm layers (a BatchRenorm is a `_BatchNorm` too)"; return [l for l in m.modules() if isinstance(l, nn.modules.batchnorm._BatchNorm) and not isinstance(l, BatchRenorm)]
 
 class EpochStats(Callback):
     "Running statistics as validation sees them, each epoch"
@@ -100,14 +100,14 @@ class WindowStats(Callback):
         self.errs,self.n_stepped,self.n_unchanged,self.xs = [],0,0,[]
         bn = self.model.bn1
         self.h = bn.register_forward_hook(lambda m,i,o: self.xs.append(i[0].detach().clone()) if m.training else None)
-    def after_fit(self): self.h.remove()
+        self.learn.gradient_accumulation.on_window_close(self.closed)
+    def after_fit(self): self.h.remove(); self.learn.gradient_accumulation.remove_window_listener(self.closed)
     def before_batch(self):
         ga,bn = self.learn.gradient_accumulation,self.model.bn1
         if ga.window_start: self.start,self.xs = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()),[]
-    def after_batch(self):
-        ga,bn = self.learn.gradient_accumulation,self.model.bn1
-        if ga._mb: return   # window still open
-        if not ga._stepped:
+    def closed(self, stepped):
+        bn = self.model.bn1
+        if not stepped:
             assert torch.equal(bn.running_mean, self.start[0]) and bn.num_batches_tracked == self.start[2]
             self.n_unchanged += 1; return
         x,m = torch.cat(self.xs).double(),0.1   # the layer's own momentum (it reads 1.0 during a 'pool' fit)
@@ -239,7 +239,7 @@ def test_renorm_conversion_keeps_eval_output_and_state_dict(seed):
     m.load_state_dict(sd)                                        # a BatchNorm state dict loads strictly
     fresh = resnet18(weights=None, num_classes=5).eval(); fresh.load_state_dict(m.state_dict())   # and back
     assert torch.equal(fresh(x), y)
-    assert repr(m.bn1) == ('BatchRenorm(64, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True, '
+    assert repr(m.bn1) == ('BatchRenorm2d(64, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True, '
                            'r_max=2.0, d_max=1.0, warmup=0, ramp=10)')
 
 @pytest.mark.parametrize('shape', [(8, 6), (8, 6, 5), (4, 6, 3, 3), (2, 6, 2, 2, 2)])
@@ -390,7 +390,7 @@ def test_timm_efficientnet_conversions_and_pool():
     n_act = sum(_is_act(mm) for mm in m.modules())
     assert n_act > 0
     m2 = bn_to_batchrenorm(m)
-    assert not any(isinstance(mm, nn.modules.batchnorm._BatchNorm) for mm in m2.modules())
+    assert not bns(m2) and all(isinstance(mm, BatchRenorm) for mm in m2.modules() if isinstance(mm, nn.modules.batchnorm._BatchNorm))
     assert sum(_is_act(mm) for mm in m2.modules()) == n_act
     assert torch.equal(m2(x), ref)
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); g = bn_to_groupnorm(timm.create_model('efficientnet_b0', pretrained=False))
