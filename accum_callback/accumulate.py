@@ -22,6 +22,18 @@ PARTIAL_MODES = ('step', 'drop', 'carry')
 
 def _is_ddp(model)->bool: return isinstance(model, DistributedDataParallel)
 
+def _records_cuda_graphs(model)->bool:
+    "Is any part of `model` a `torch.compile` module whose backend records CUDA graphs (mode='reduce-overhead'/'max-autotune')?"
+    for m in model.modules():
+        if not hasattr(m, '_orig_mod'): continue
+        f = getattr(getattr(m, 'dynamo_ctx', None), 'callback', None)
+        for _ in range(8):   # CatchErrorsWrapper -> ConvertFrame -> backend wrapper with the inductor options
+            if f is None: break
+            cfg = getattr(f, 'config', None)
+            if isinstance(cfg, dict) and cfg.get('triton.cudagraphs'): return True
+            f = getattr(f, '_torchdynamo_orig_backend', None)
+    return False
+
 class Window:
     """The accumulation window in progress, as a plain record: `learn.gradient_accumulation.window`. Its writes skip
     fastai's `Callback.__setattr__` checks (several per micro-batch), and `BatchNormAccumulation` and tests read it.
@@ -111,6 +123,10 @@ class GradientAccumulation(Callback):
                                  "and fastai's `fastai.callback.training.GradientAccumulation`; they would both rescale "
                                  "and skip steps. Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` "
                                  "(or use `learn.accumulate(...)`, which replaces it)")
+        if _records_cuda_graphs(self.learn.model):
+            raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): their "
+                             "reused output buffers corrupt gradients accumulated over several backward passes (PyTorch "
+                             "issues 96693, 181723). Compile with `mode='default'` or `mode='max-autotune-no-cudagraphs'`")
         # the logs of the last fit are reset at its first training batch, so they survive a `validate()` after it
         self._new_fit = True
         self.window.reset(); self.window.start_micro()

@@ -249,38 +249,75 @@ def ddp_section(dd, repeats, warmup):
     return rows, {f'DDP {n} s/fit': summary([x['wall'] for x in v]) for n,v in res.items()}, note
 
 # -- 5. CUDA: resnet18 / resnet50 at 224 px, micro-batch b x k against batch b*k (or the largest that fits) ----------
-def cuda_section(device='cuda', arches=('resnet18', 'resnet50'), px=224, b=32, k=8, windows=2):
-    "Peak memory added (`torch.cuda.max_memory_allocated`) and images/s; on a CPU `device` only the code path runs"
+def hand_loop_amp(model, ds, b, k, device, amp):
+    "The hand-written loop on a device, fp16 autocast + GradScaler when `amp`: loss/k, backward, step every k"
+    opt,dl = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOM),TorchDataLoader(ds, batch_size=b, shuffle=False)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    def run():
+        _sync(device); t0 = time.perf_counter()
+        model.train(); opt.zero_grad()
+        for i,(x,y) in enumerate(dl):
+            x,y = x.to(device, non_blocking=True),y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.float16, enabled=amp): loss = F.cross_entropy(model(x), y)/k
+            scaler.scale(loss).backward()
+            if (i+1) % k == 0: scaler.step(opt); scaler.update(); opt.zero_grad()
+        _sync(device)
+        return time.perf_counter()-t0
+    return run
+
+def _sync(device):
+    if torch.device(device).type == 'cuda': torch.cuda.synchronize()
+
+CUDA_SIZES = dict(default=dict(arch='resnet50', px=224, b=32, k=8, windows=2), quick=dict(arch='resnet18', px=32, b=2, k=2, windows=1))
+CUDA_GOALS = dict(pool=1.03, momentum=1.03, freeze=1.03, groupnorm=None, renorm=1.25)
+
+def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, repeats=3, warmup=True):
+    """On a GPU: images/s of ours, fastai's `GradientAccumulation`, a hand-written loop and the big batch (fp16 through
+    fastai's `MixedPrecision` / autocast + GradScaler), peak memory added (`max_memory_allocated`), and every BatchNorm
+    mode against plain accumulation. On a CPU `device` only the code path runs (fp32, memory n/a)."""
     import torchvision
-    cuda,rows,raw = torch.device(device).type == 'cuda',[],{}
-    for arch in arches:
-        res = {}
-        for name,bs,n_acc in (('accum', b, k), ('big', b*k, 1)):
-            while True:
-                learn = None
-                try:
-                    model = getattr(torchvision.models, arch)(num_classes=10)
-                    ds = images(bs*n_acc*windows, px)
-                    learn = learner(model, ds, bs, [GradientAccumulation(n_acc)] if n_acc > 1 else [], device=device)
-                    learn.model.to(device); fit_time(learn)   # warm-up (kernels, allocator)
-                    if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
-                    secs = fit_time(learn)
-                    if cuda: torch.cuda.synchronize(); mem = (torch.cuda.max_memory_allocated()-base)/2**20
-                    res[name] = dict(bs=bs, mem=mem if cuda else None, ips=len(ds)/secs)
-                    break
-                except torch.cuda.OutOfMemoryError:
-                    if bs == 1 or name == 'accum': raise
-                    bs //= 2   # the largest batch that fits
-                finally:
-                    learn = model = None
-                    if cuda: torch.cuda.empty_cache()
-        a,g = res['accum'],res['big']
-        label = f'{arch} {px}px: micro-batch {b} x {k} / batch {g["bs"]}'
-        if a['mem'] is None: rows.append(na_row(f'CUDA {label} memory', '< 0.5', 'n/a (not a CUDA device)'))
-        else: r = a['mem']/g['mem']; rows.append([f'CUDA {label} memory', f'{r:.3f}', '< 0.5', verdict(r, 0, 0.5)])
-        rows.append([f'CUDA {label} images/s', f"{a['ips']/g['ips']:.3f}", '≈ 1 (info)', '—'])
-        raw.update({f'CUDA {arch} {n} (bs {v["bs"]})': (v['ips'], v['mem']) for n,v in res.items()})
+    from fastai.callback.fp16 import MixedPrecision
+    from accum_callback import BatchNormAccumulation
+    device = torch.device(device); cuda = device.type == 'cuda'
+    ds = images(b*k*windows, px)
+    amp = [MixedPrecision()] if cuda else []
+    def model(): torch.manual_seed(0); return torchvision.models.get_model(arch, num_classes=10).to(device)
+    def lrn(bs, cbs):
+        learn = learner(model(), ds, bs, cbs + amp, device=device)
+        if cuda: learn.add_cb(_CudaSync())
+        return learn
+    learners = dict(ours=lrn(b, [GradientAccumulation(k)]), fastai=lrn(b, [FastaiGA(b*k)]), big=lrn(b*k, []),
+                    **{m: lrn(b, [GradientAccumulation(k), BatchNormAccumulation(m)]) for m in BN_MODES})
+    mem = {}
+    for n,l in learners.items():   # the first (warm-up) fit of each, measured for memory
+        if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+        fit_time(l)
+        if cuda: torch.cuda.synchronize(); mem[n] = (torch.cuda.max_memory_allocated()-base)/2**20
+    hand = model()
+    contenders = {n: partial(fit_time, l) for n,l in learners.items()}
+    contenders['hand'] = hand_loop_amp(hand, ds, b, k, device, cuda)
+    t,errs = rounds(contenders, repeats, warmup)
+    label = f'{arch} {px}px{" fp16" if cuda else ""}, micro-batch {b} x {k}'
+    def row(name, num, den, goal):
+        if num in errs or den in errs: return [name, errs.get(num) or errs.get(den), '—', '—']
+        if goal is None:
+            r,noise = summary([x/y for x,y in zip(t[num], t[den])]); return [name, f'{r:.3f} ± {noise:.3f}', 'info', '—']
+        return time_row(name, t[num], t[den], goal)
+    rows = [row(f'CUDA {label}: time/epoch ours / fastai `GradientAccumulation`', 'ours', 'fastai', 1.0),
+            row(f'CUDA {label}: time/epoch ours / hand-written loop', 'ours', 'hand', 1.05),
+            row(f'CUDA {label}: time/epoch ours / batch {b*k}', 'ours', 'big', None)]
+    rows.append([f'CUDA {label}: memory / batch {b*k}', f"{mem['ours']/mem['big']:.3f}" if cuda else 'n/a (not a CUDA device)',
+                 '< 0.5', verdict(mem['ours']/mem['big'], 0, 0.5) if cuda else '—'])
+    rows += [row(f"CUDA {label}: time/epoch `BatchNormAccumulation('{m}')` / plain accumulation", m, 'ours', CUDA_GOALS[m])
+             for m in BN_MODES]
+    n_img = len(ds)
+    raw = {f'{n}': (n_img/summary(v)[0] if v else float('nan'), mem.get(n, float('nan'))) for n,v in t.items()}
     return rows, raw
+
+class _CudaSync(Callback):
+    "Wait for the GPU at the end of the training phase, so `TrainTimer` times the work, not its launch"
+    order = -1
+    def after_train(self): torch.cuda.synchronize()
 
 # -- report ---------------------------------------------------------------------------------------------------------
 def machine()->str:
@@ -293,8 +330,10 @@ def machine()->str:
     return (f'{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{gpu}; torch {torch.__version__}, '
             f'fastai {fastai.__version__}, Python {platform.python_version()}, {platform.system()}{load}')
 
+def _cell(c)->str: return ' '.join(str(c).split()).replace('|', '/')   # one line, no column break (error texts have both)
+
 def table(rows)->str:
-    return '\n'.join(['| measure | ratio | goal | met? |', '|---|---|---|---|'] + ['| ' + ' | '.join(r) + ' |' for r in rows])
+    return '\n'.join(['| measure | ratio | goal | met? |', '|---|---|---|---|'] + ['| ' + ' | '.join(map(_cell, r)) + ' |' for r in rows])
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -319,8 +358,10 @@ def main(argv=None):
     else: ddp_rows,ddp_raw,ddp_note = section('DDP', ddp_section, sz['ddp'], repeats, warmup)
     speed_rows,speed_raw = section('time', speed_section, sz, repeats, warmup)
     bn_rows,bn_raw = section('BatchNorm', bn_section, sz, repeats, warmup)
-    if torch.cuda.is_available(): cuda_rows,cuda_raw = section('CUDA', cuda_section)
-    else: cuda_rows,cuda_raw = [na_row('CUDA resnet18 / resnet50 224px: memory and images/s', '—', 'skipped: no CUDA device')],{}
+    if torch.cuda.is_available():
+        cuda_rows,cuda_raw = section('CUDA', cuda_section, 'cuda', **CUDA_SIZES['quick' if args.quick else 'default'],
+                                     repeats=repeats if args.quick else min(repeats, 3), warmup=warmup)
+    else: cuda_rows,cuda_raw = [na_row('CUDA resnet50 224px fp16: time, images/s, memory, BatchNorm modes', '—', 'skipped: no CUDA device')],{}
     b,k = sz['b'],sz['k']
     cmd = ' '.join(['python bench/bench.py', *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     raw = {**speed_raw, **bn_raw, **ddp_raw}
@@ -341,7 +382,8 @@ def main(argv=None):
         f'- DDP: `bench/ddp_bench.py` runs, 2 CPU processes over gloo, 1 thread each, {ddp_note}; "without" = a DDP whose '
         '`no_sync` does nothing (every micro-batch all-reduces, as with fastai\'s callback); time = slower rank\'s fit',
         '- medians (s ± spread): ' + ', '.join(f'{n} {m:.3f} ± {s:.3f}' for n,(m,s) in raw.items()),
-    ] + (['- CUDA (images/s, MiB added): ' + ', '.join(f'{n} {i:.0f}, {m:.0f}' for n,(i,m) in cuda_raw.items())]
+    ] + (['- CUDA ' + (torch.cuda.get_device_name() if torch.cuda.is_available() else '') + f', torch {torch.__version__}, '
+          f'CUDA {torch.version.cuda} (images/s, peak MiB added by fit): ' + ', '.join(f'{n} {i:.0f} img/s, {m:.0f} MiB' for n,(i,m) in cuda_raw.items())]
          if cuda_raw else []))
     print(md)
     if args.out:

@@ -1,0 +1,197 @@
+"""The `cuda` tier: what a GPU user relies on, each against one big batch where the maths says so. Skipped without a GPU.
+
+`ACCUM_TEST_DEVICE=cpu python -m pytest -m cuda tests/test_cuda.py` dry-runs the tests that need no CUDA-only feature on
+the CPU (the mixed-precision, NCCL and CUDA-graph tests still skip there)."""
+import os, socket, warnings
+import pytest, torch, torch.nn as nn, torch.nn.functional as F
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+from fastai.callback.fp16 import MixedPrecision
+from fastai.callback.training import GradientClip, BnFreeze
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.optimizer import SGD, Adam
+
+from fastai.callback.core import Callback
+from accum_callback import GradientAccumulation, BatchNormAccumulation, BatchRenorm, accumulated_momentum
+from accum_callback.distributed import count_allreduces
+from helpers import *
+
+DEVICE = torch.device(os.environ.get('ACCUM_TEST_DEVICE', 'cuda'))
+ON_GPU = DEVICE.type == 'cuda'
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason='needs an NVIDIA GPU')]
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason='CUDA-only feature (dry run on the CPU)')
+
+def fit(learn, n=1, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); fit_quiet(learn, n, **kw)
+    return learn
+
+def learner(ds, bs, model, cbs=(), opt_func=SGD, lr=0.1, loss_func=F.mse_loss, valid=None):
+    v = valid if valid is not None else TensorDataset(*[t[:bs] for t in ds.tensors])
+    dls = DataLoaders(DataLoader(ds, bs=bs), DataLoader(v, bs=bs), device=DEVICE)
+    learn = Learner(dls, model.to(DEVICE), loss_func=loss_func, opt_func=opt_func, lr=lr, cbs=list(cbs))
+    learn.recorder.train_metrics = False
+    return learn
+
+def w(learn): return flat([p.detach().float().cpu() for p in learn.model.parameters()])
+
+# -- mixed precision (BatchNorm-free model) ---------------------------------------------------------------------------
+@needs_gpu
+@pytest.mark.parametrize('amp_mode', ['fp16', 'bf16'])
+def test_mixed_precision_equals_big_batch(amp_mode):
+    "A scale that never overflows (fp16) or none (bf16): every window steps, weights equal one big batch's"
+    ds = make_data(128, n_in=32)
+    kw = dict(init_scale=2.**10) if amp_mode == 'fp16' else {}
+    big = fit(learner(ds, 32, MLP(32, seed=0), [MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
+    acc = fit(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(8), MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
+    ga = acc.gradient_accumulation
+    assert ga.steps == big.train_iter == 8 and ga.n_step_cancelled == 0
+    err = rel_err(w(acc), w(big))
+    assert err <= (2e-3 if amp_mode == 'fp16' else 2e-2), err   # low-precision forward rounds per micro-batch
+
+@needs_gpu
+def test_fp16_overflowing_windows_skipped_whole():
+    """fp16 with a huge initial scale: the first windows overflow and are skipped whole (one scaler update each, so the
+    scale halves once per window); compared like with like: the big batch over the windows that stepped"""
+    ds = make_data(192, n_in=32)
+    acc = fit(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**120)], SGD, 0.1))
+    ga = acc.gradient_accumulation
+    n_win = 192//16
+    assert ga.steps + ga.n_step_cancelled == n_win and 0 < ga.n_step_cancelled < n_win
+    assert acc.scaler.get_scale() == 2.**120 * 0.5**ga.n_step_cancelled * 2.**0   # growth_interval 2000: no growth yet
+    skipped = ga.n_step_cancelled   # overflow only at the start, while the scale is too large
+    keep = torch.arange(16*skipped, 192)
+    ref_ds = TensorDataset(*[t[keep] for t in ds.tensors])
+    big = fit(learner(ref_ds, 16, MLP(32, seed=0), [MixedPrecision(init_scale=2.**10)], SGD, 0.1))
+    assert big.train_iter == ga.steps and rel_err(w(acc), w(big)) <= 2e-3
+
+@needs_gpu
+def test_gradient_clip_once_per_window_fp16():
+    "GradientClip after the scaler's unscale, on the window gradient: the same clipped step as one big batch"
+    ds = make_data(64, n_in=32)
+    cbs = lambda: [MixedPrecision(init_scale=2.**10), GradientClip(0.05)]
+    big = fit(learner(ds, 16, MLP(32, seed=0), cbs(), SGD, 0.5))
+    acc = fit(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4)] + cbs(), SGD, 0.5))
+    assert acc.gradient_accumulation.steps == 4 and rel_err(w(acc), w(big)) <= 2e-3
+
+# -- BatchNorm modes on a torchvision resnet --------------------------------------------------------------------------
+def resnet_data(n=32, px=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, px, px, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+def resnet(channels_last=False):
+    from torchvision.models import resnet18
+    torch.manual_seed(0)
+    m = resnet18(num_classes=5)
+    return m.to(memory_format=torch.channels_last) if channels_last else m
+
+def bn_learner(bs, cbs, channels_last=False, lr=0., n=32):
+    ds = resnet_data(n)
+    learn = learner(ds, bs, resnet(channels_last), cbs, SGD, lr, CrossEntropyLossFlat(), valid=resnet_data(8, seed=1))
+    if channels_last: learn.dls.train.after_batch = lambda b: (b[0].contiguous(memory_format=torch.channels_last), *b[1:])
+    return learn, ds
+
+@pytest.mark.parametrize('channels_last', [False, True])
+def test_pool_statistics_equal_big_batch(channels_last):
+    "'pool' on resnet18 (lr 0, so every window sees the same weights): bn1's running stats are the big batch's"
+    learn,ds = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')], channels_last)
+    big,_ = bn_learner(16, [], channels_last)
+    fit(learn); fit(big)
+    for a,b in ((learn.model.bn1, big.model.bn1),):
+        assert a.num_batches_tracked == b.num_batches_tracked == 2
+        assert rel_err(a.running_mean.cpu(), b.running_mean.cpu()) <= 1e-4
+        assert rel_err(a.running_var.cpu(), b.running_var.cpu()) <= 1e-4
+    assert learn.model.bn1.momentum == 0.1 and not learn.model.bn1._forward_hooks
+
+def test_momentum_mode_sets_and_restores():
+    "'momentum': during fit every BatchNorm momentum is 1-(1-m)**(1/k); after fit it is m again"
+    seen = []
+    class Spy(Callback):
+        order = BatchNormAccumulation.order+1
+        def before_batch(self): seen.append(self.model.layer1[0].bn1.momentum)
+    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('momentum'), Spy()], lr=0.1)
+    fit(learn)
+    assert seen and all(m == pytest.approx(accumulated_momentum(0.1, 4)) for m in seen) and learn.model.layer1[0].bn1.momentum == 0.1
+    assert learn.model.bn1.num_batches_tracked == 8   # one update per micro-batch
+
+def test_freeze_keeps_statistics():
+    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('freeze')], lr=0.1)
+    before = learn.model.bn1.running_mean.clone()
+    fit(learn)
+    assert torch.equal(learn.model.bn1.running_mean, before) and learn.gradient_accumulation.steps == 2
+    assert torch.isfinite(w(learn)).all()
+
+def test_groupnorm_conversion_trains_on_device():
+    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('groupnorm')], lr=0.1)
+    ps = [id(p) for p in learn.model.parameters()]
+    fit(learn)
+    assert isinstance(learn.model.bn1, nn.GroupNorm) and learn.model.bn1.weight.device.type == DEVICE.type
+    assert [id(p) for p in learn.model.parameters()] == ps and torch.isfinite(w(learn)).all()
+
+@pytest.mark.parametrize('channels_last', [False, True])
+def test_renorm_conversion_eval_output_and_training(channels_last):
+    "'renorm': eval output unchanged right after conversion; trains finite; BnFreeze still sees BatchNorm layers"
+    learn,ds = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('renorm')], channels_last, lr=0.)
+    x = ds.tensors[0][:8].to(DEVICE)
+    if channels_last: x = x.contiguous(memory_format=torch.channels_last)
+    learn.model.eval()
+    with torch.no_grad(): y0 = learn.model(x)
+    fit(learn)   # lr 0: weights unchanged; statistics move
+    assert isinstance(learn.model.bn1, BatchRenorm) and isinstance(learn.model.bn1, nn.BatchNorm2d)
+    learn.model.eval()
+    with torch.no_grad(): assert torch.isfinite(learn.model(x)).all() and y0.shape == learn.model(x).shape
+
+# -- DDP over NCCL (world size 1 on one GPU) -----------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+@pytest.fixture
+def process_group():
+    backend = 'nccl' if ON_GPU else 'gloo'
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port()))
+    dist.init_process_group(backend, rank=0, world_size=1)
+    yield backend
+    dist.destroy_process_group()
+
+def test_ddp_no_sync_one_allreduce_per_step(process_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ds = make_data(64, n_in=8)
+    learn = learner(ds, 4, MLP(8, seed=0), [GradientAccumulation(4)])
+    learn.model = DDP(learn.model, device_ids=[DEVICE.index or 0] if ON_GPU else None)
+    counter = count_allreduces(learn.model)
+    fit(learn)
+    big = fit(learner(ds, 16, MLP(8, seed=0)))
+    assert counter.n_rounds == learn.gradient_accumulation.steps == 4
+    assert rel_err(w(learn), w(big)) <= 1e-5
+
+def test_syncbatchnorm_pool_under_ddp(process_group):
+    "SyncBatchNorm + DDP + 'pool': bn1's statistics equal one big batch's (world size 1)"
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')])
+    if ON_GPU: learn.model = nn.SyncBatchNorm.convert_sync_batchnorm(learn.model)
+    learn.model = DDP(learn.model, device_ids=[DEVICE.index or 0] if ON_GPU else None)
+    big,_ = bn_learner(16, [])
+    fit(learn); fit(big)
+    a,b = learn.model.module.bn1,big.model.bn1
+    assert isinstance(a, nn.SyncBatchNorm) == ON_GPU and a.num_batches_tracked == 2
+    assert rel_err(a.running_mean.cpu(), b.running_mean.cpu()) <= 1e-4 and rel_err(a.running_var.cpu(), b.running_var.cpu()) <= 1e-4
+
+# -- torch.compile --------------------------------------------------------------------------------------------------------
+def test_compile_default_is_exact():
+    ds = make_data(64, n_in=8)
+    acc = learner(ds, 4, torch.compile(MLP(8, seed=0)), [GradientAccumulation(4)])
+    big = learner(ds, 16, MLP(8, seed=0))
+    fit(acc, 2); fit(big, 2)
+    assert acc.gradient_accumulation.steps == 8 and rel_err(w(acc), w(big)) <= 1e-5
+
+@pytest.mark.parametrize('mode', ['reduce-overhead', 'max-autotune'])
+def test_compile_with_cuda_graphs_is_refused_clearly(mode):
+    ds = make_data(32, n_in=8)
+    learn = learner(ds, 4, torch.compile(MLP(8, seed=0), mode=mode), [GradientAccumulation(4)])
+    w0 = w(learn).clone()
+    with pytest.raises(ValueError, match=r"CUDA graphs.*mode='default'"): fit(learn)
+    assert torch.equal(w(learn), w0) and not learn.lock.locked()
