@@ -3,7 +3,7 @@
 Bad input ends with one line on stderr naming the argument or path, exit status 2, and nothing written to `--out`:
 everything is checked before training, and the outputs are written to a temporary folder moved into `--out` at the end."""
 from __future__ import annotations
-import argparse, shutil, sys, tempfile, warnings
+import argparse, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
 __all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main']
@@ -35,6 +35,7 @@ def make_parser()->argparse.ArgumentParser:
     a('--epochs', type=int, default=3, help='default: 3')
     a('--lr', type=float, default=3e-3, help='peak one-cycle learning rate (default: 3e-3)')
     a('--seed', type=int, default=0, help='default: 0')
+    a('--device', default='auto', metavar='auto|cpu|cuda|cuda:N', help='where to train (default auto: the GPU when there is one)')
     a('--threads', type=int, default=1, help='torch CPU threads (default: 1, fastest for the small default net)')
     a('--out', type=Path, default=Path('runs/finetune'), metavar='DIR', help='where metrics.json and training.png go '
       '(default: runs/finetune)')
@@ -57,12 +58,14 @@ def check_args(args)->argparse.Namespace:
         args.n_step = args.effective_bs//args.micro_bs
     if args.out.exists() and not args.out.is_dir(): raise UsageError(f"--out {args.out}: exists and is not a folder")
     if args.weights and args.weights.lower() == 'none': args.weights = 'none'
+    if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', args.device):
+        raise UsageError(f"argument --device: {args.device!r} is not auto, cpu, cuda or cuda:N")
     return args
 
 def _summary(m:dict, source:str, files)->str:
     rows = [('data', source), ('arch', f"{m['arch']} ({'pretrained: '+m['weights'] if m['pretrained'] else 'from scratch'})"),
             ('micro_bs x n_step', f"{m['micro_bs']} x {m['n_step']} = {m['effective_bs']} per optimizer step"),
-            ('bn', m['bn'] + (' (auto)' if m['bn_requested'] == 'auto' else '')),
+            ('bn', m['bn'] + (' (auto)' if m['bn_requested'] == 'auto' else '')), ('device', m['device']),
             ('epochs', f"{m['epochs']} ({m['n_train']} train / {m['n_valid']} valid images)"),
             ('optimizer_steps', m['optimizer_steps']), ('train time', f"{m['train_seconds']} s"),
             ('accuracy', f"{m['accuracy']:.4f}"), ('wrote', ', '.join(map(str, files)))]
@@ -72,8 +75,10 @@ def _summary(m:dict, source:str, files)->str:
 def _run(args)->int:
     warnings.filterwarnings('ignore', category=FutureWarning)   # torch/fastai import-time deprecation notices
     from .data import DataError, check_folder, digits_dls, folder_dls
-    from .train import ArchError, DEFAULT_ARCH, check_arch, finetune, plot_training, write_metrics
+    from .train import ArchError, DEFAULT_ARCH, check_arch, finetune, plot_training, resolve_device, write_metrics
     check_arch(args.arch)
+    try: device = resolve_device(args.device)
+    except ValueError as e: raise UsageError(f"argument --device: {e}") from None
     images = check_folder(args.data) if args.data is not None else None   # before any pretraining: fail fast
     weights = args.weights
     if weights is None and args.arch == DEFAULT_ARCH:
@@ -82,6 +87,7 @@ def _run(args)->int:
     elif weights == 'none': weights = None
     dls = (digits_dls(args.micro_bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed) if args.data is None else
            folder_dls(args.data, args.micro_bs, args.size, args.valid_pct, args.seed, files=images))
+    dls.to(device)
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
         learn,m = finetune(dls, args.arch, weights, args.micro_bs, args.n_step, args.bn, args.epochs, args.lr,

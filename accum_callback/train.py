@@ -13,7 +13,7 @@ from fastai.torch_core import set_seed
 
 from .accumulate import GradientAccumulation
 
-__all__ = ['ArchError', 'BN_MODES', 'DEFAULT_ARCH', 'ARCHS', 'register_arch', 'resnet_tiny', 'create_model',
+__all__ = ['ArchError', 'BN_MODES', 'DEFAULT_ARCH', 'ARCHS', 'register_arch', 'resnet_tiny', 'create_model', 'resolve_device', 'describe_device',
            'load_weights', 'auto_bn', 'has_batchnorm', 'build_learner', 'finetune', 'plot_training', 'write_metrics']
 
 BN_MODES = ('auto', 'none', 'pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
@@ -108,6 +108,23 @@ def load_weights(model:nn.Module, weights:str, arch:str)->int:
     model.load_state_dict(keep, strict=False)
     return len(keep)
 
+def resolve_device(spec:str='auto')->torch.device:
+    "`auto` (the GPU when there is one), `cpu`, `cuda` or `cuda:N`, checked against what this machine has"
+    if spec == 'auto': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    dev = torch.device(spec)
+    if dev.type == 'cuda':
+        if not torch.cuda.is_available(): raise ValueError(f"{spec}: no CUDA device on this machine (use --device cpu or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+def describe_device(dev)->str:
+    "'cpu', or 'cuda:0 NVIDIA H100 80GB HBM3'"
+    dev = torch.device(dev)
+    if dev.type != 'cuda': return dev.type
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    return f'cuda:{i} {torch.cuda.get_device_name(i)}'
+
 def has_batchnorm(model:nn.Module)->bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -164,7 +181,8 @@ def finetune(dls, arch:str=DEFAULT_ARCH, weights:str|None=None, micro_bs:int=4, 
                    micro_bs=micro_bs, effective_bs=micro_bs*n_step, n_step=n_step, bn=mode, bn_requested=bn,
                    epochs=epochs, optimizer_steps=ga.steps, lr=lr, seed=seed, arch=arch,
                    weights=str(weights) if weights else None, pretrained=pretrained,
-                   n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1))
+                   n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1),
+                   device=describe_device(next(learn.model.parameters()).device))
     return learn,metrics
 
 # -- outputs ---------------------------------------------------------------------------------------------------

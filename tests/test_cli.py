@@ -57,18 +57,20 @@ def test_defaults_short(cache, tmp_path):
     # 179 validation images, 5 classes (chance 0.2): one epoch from the digits 0-4 checkpoint reached 0.63 here, so
     # 0.4 is about 40 images below what is seen, not one image
     assert m['n_valid'] == 179 and m['accuracy'] > 0.4, m
+    import torch
+    assert m['device'].startswith('cuda:') if torch.cuda.is_available() else m['device'] == 'cpu'   # --device auto
     assert (out/'training.png').stat().st_size > 1000
     assert sorted(p.name for p in out.iterdir()) == ['metrics.json', 'training.png']
 
 def test_folder(cache, tmp_path):
     data,out = make_folder(tmp_path/'imgs'),tmp_path/'out'
     res = run_cli('--data', data, '--micro-bs', 2, '--n-step', 4, '--bn', 'none', '--epochs', 2, '--valid-pct', 0.3,
-                  '--out', out)
+                  '--device', 'cpu', '--out', out)
     assert res.returncode == 0, res.stderr
     m = json.loads((out/'metrics.json').read_text())
     assert (m['micro_bs'], m['effective_bs'], m['n_step'], m['bn'], m['epochs']) == (2, 8, 4, 'none', 2)
     assert (m['n_train'], m['n_valid']) == (21, 9) and m['optimizer_steps'] == 2*3   # 10 micro-batches: 2 full + 1 partial
-    assert str(data) in m['data'] and math.isfinite(m['valid_loss'])
+    assert str(data) in m['data'] and math.isfinite(m['valid_loss']) and m['device'] == 'cpu'
     # 9 validation images: accuracy is a count of them, not a stable figure (one image moves it 11 points), so no
     # threshold here; the same --seed must give the same run
     assert round(m['accuracy']*9, 6) == round(m['accuracy']*9)
@@ -120,6 +122,8 @@ def test_existing_out_left_alone(tmp_path):
     (('--bn', 'batch'), ('--bn', 'batch')),
     (('--weights', 'missing.pth'), ('--weights', 'missing.pth')),
     (('--epochs', 0), ('--epochs',)),
+    (('--device', 'gpu'), ('--device', 'gpu')),
+    (('--device', 'cuda:99'), ('--device', 'cuda:99')),   # no GPU here, or fewer than 100
 ])
 def test_bad_arguments(tmp_path, args, names):
     out = tmp_path/'out'; check_error(run_cli(*args, '--out', out), out, *names)

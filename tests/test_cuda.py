@@ -195,3 +195,17 @@ def test_compile_with_cuda_graphs_is_refused_clearly(mode):
     w0 = w(learn).clone()
     with pytest.raises(ValueError, match=r"CUDA graphs.*mode='default'"): fit(learn)
     assert torch.equal(w(learn), w0) and not learn.lock.locked()
+
+# -- the job's CUDA path ------------------------------------------------------------------------------------------------
+@needs_gpu
+def test_job_trains_on_the_gpu_and_records_it(tmp_path):
+    "`accum-finetune --device cuda` on an image folder: metrics.json names the GPU it trained on"
+    import json, subprocess, sys
+    from test_cli import make_folder
+    data,out = make_folder(tmp_path/'imgs'),tmp_path/'out'
+    res = subprocess.run([sys.executable, '-m', 'accum_callback', '--data', str(data), '--arch', 'resnet18', '--weights', 'none',
+                          '--micro-bs', '2', '--n-step', '4', '--epochs', '1', '--device', 'cuda', '--out', str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((out/'metrics.json').read_text())
+    assert m['device'].startswith('cuda:0 ') and m['optimizer_steps'] == 3
