@@ -66,18 +66,26 @@ def fit_time(learn)->float:
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     return learn.train_timer.times[-1]
 
-def hand_loop(model, ds, b, k):
-    "The classic forum answer: loss/n_acc; backward; step + zero_grad every n_acc micro-batches"
+def hand_loop(model, ds, b, k, device='cpu', amp=False):
+    """The classic forum answer: loss/n_acc; backward; step + zero_grad every n_acc micro-batches. On a GPU with `amp`:
+    fp16 autocast + GradScaler, the batches moved to `device` (on the CPU those are no-ops)"""
+    device = torch.device(device)
     opt,dl = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOM),TorchDataLoader(ds, batch_size=b, shuffle=False)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
     def run():
-        t0 = time.perf_counter()
+        _sync(device); t0 = time.perf_counter()
         model.train(); opt.zero_grad()
         for i,(x,y) in enumerate(dl):
-            loss = F.cross_entropy(model(x), y)/k
-            loss.backward()
-            if (i+1) % k == 0: opt.step(); opt.zero_grad()
+            x,y = x.to(device, non_blocking=True),y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.float16, enabled=amp): loss = F.cross_entropy(model(x), y)/k
+            scaler.scale(loss).backward()
+            if (i+1) % k == 0: scaler.step(opt); scaler.update(); opt.zero_grad()
+        _sync(device)
         return time.perf_counter()-t0
     return run
+
+def _sync(device):
+    if torch.device(device).type == 'cuda': torch.cuda.synchronize()
 
 # -- statistics and table rows ----------------------------------------------------------------------------------------
 def rounds(contenders:dict, repeats:int, warmup=True)->tuple[dict,dict]:
@@ -249,25 +257,6 @@ def ddp_section(dd, repeats, warmup):
     return rows, {f'DDP {n} s/fit': summary([x['wall'] for x in v]) for n,v in res.items()}, note
 
 # -- 5. CUDA: resnet18 / resnet50 at 224 px, micro-batch b x k against batch b*k (or the largest that fits) ----------
-def hand_loop_amp(model, ds, b, k, device, amp):
-    "The hand-written loop on a device, fp16 autocast + GradScaler when `amp`: loss/k, backward, step every k"
-    opt,dl = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOM),TorchDataLoader(ds, batch_size=b, shuffle=False)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    def run():
-        _sync(device); t0 = time.perf_counter()
-        model.train(); opt.zero_grad()
-        for i,(x,y) in enumerate(dl):
-            x,y = x.to(device, non_blocking=True),y.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.float16, enabled=amp): loss = F.cross_entropy(model(x), y)/k
-            scaler.scale(loss).backward()
-            if (i+1) % k == 0: scaler.step(opt); scaler.update(); opt.zero_grad()
-        _sync(device)
-        return time.perf_counter()-t0
-    return run
-
-def _sync(device):
-    if torch.device(device).type == 'cuda': torch.cuda.synchronize()
-
 CUDA_SIZES = dict(default=dict(arch='resnet50', px=224, b=32, k=8, windows=2), quick=dict(arch='resnet18', px=32, b=2, k=2, windows=1))
 CUDA_GOALS = dict(pool=1.03, momentum=1.03, freeze=1.03, groupnorm=None, renorm=1.25)
 
@@ -295,7 +284,7 @@ def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, r
         if cuda: torch.cuda.synchronize(); mem[n] = (torch.cuda.max_memory_allocated()-base)/2**20
     hand = model()
     contenders = {n: partial(fit_time, l) for n,l in learners.items()}
-    contenders['hand'] = hand_loop_amp(hand, ds, b, k, device, cuda)
+    contenders['hand'] = hand_loop(hand, ds, b, k, device, amp=cuda)
     t,errs = rounds(contenders, repeats, warmup)
     label = f'{arch} {px}px{" fp16" if cuda else ""}, micro-batch {b} x {k}'
     def row(name, num, den, goal):
