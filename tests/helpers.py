@@ -66,6 +66,13 @@ def fit_quiet(learn, n_epoch, meth='fit', **kw):
     with learn.no_bar(), learn.no_logging(): getattr(learn, meth)(n_epoch, **kw)
     return learn
 
+def fit_silent(learn, n_epoch=1, meth='fit', **kw):
+    "`fit_quiet` with warnings silenced too (a test that checks a warning uses `fit_quiet` in `pytest.warns`)"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); fit_quiet(learn, n_epoch, meth, **kw)
+    return learn
+
 def expected_windows(n, bs, n_epoch, n_step=None, target_bs=None, partial='step'):
     "Sizes (samples) of the windows that should be stepped, written from the contract alone"
     batches = [bs]*(n//bs) + ([n % bs] if n % bs else [])

@@ -2,7 +2,7 @@
 
 `ACCUM_TEST_DEVICE=cpu python -m pytest -m cuda tests/test_cuda.py` dry-runs the tests that need no CUDA-only feature on
 the CPU (the mixed-precision, NCCL and CUDA-graph tests still skip there)."""
-import os, socket, warnings
+import os, socket
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
@@ -25,11 +25,6 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason='needs an NVIDIA GPU')]
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason='CUDA-only feature (dry run on the CPU)')
 
-def fit(learn, n=1, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore'); fit_quiet(learn, n, **kw)
-    return learn
-
 def learner(ds, bs, model, cbs=(), opt_func=SGD, lr=0.1, loss_func=F.mse_loss, valid=None):
     v = valid if valid is not None else TensorDataset(*[t[:bs] for t in ds.tensors])
     dls = DataLoaders(DataLoader(ds, bs=bs), DataLoader(v, bs=bs), device=DEVICE)
@@ -46,8 +41,8 @@ def test_mixed_precision_equals_big_batch(amp_mode):
     "A scale that never overflows (fp16) or none (bf16): every window steps, weights equal one big batch's"
     ds = make_data(128, n_in=32)
     kw = dict(init_scale=2.**10) if amp_mode == 'fp16' else {}
-    big = fit(learner(ds, 32, MLP(32, seed=0), [MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
-    acc = fit(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(8), MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
+    big = fit_silent(learner(ds, 32, MLP(32, seed=0), [MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(8), MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
     ga = acc.gradient_accumulation
     assert ga.steps == big.train_iter == 8 and ga.n_step_cancelled == 0
     err = rel_err(w(acc), w(big))
@@ -58,15 +53,15 @@ def test_fp16_overflowing_windows_skipped_whole():
     """fp16 with a huge initial scale: the first windows overflow and are skipped whole (one scaler update each, so the
     scale halves once per window); compared like with like: the big batch over the windows that stepped"""
     ds = make_data(192, n_in=32)
-    acc = fit(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**120)], SGD, 0.1))
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**120)], SGD, 0.1))
     ga = acc.gradient_accumulation
     n_win = 192//16
     assert ga.steps + ga.n_step_cancelled == n_win and 0 < ga.n_step_cancelled < n_win
-    assert acc.scaler.get_scale() == 2.**120 * 0.5**ga.n_step_cancelled * 2.**0   # growth_interval 2000: no growth yet
+    assert acc.scaler.get_scale() == 2.**120 * 0.5**ga.n_step_cancelled   # growth_interval 2000: no growth yet
     skipped = ga.n_step_cancelled   # overflow only at the start, while the scale is too large
     keep = torch.arange(16*skipped, 192)
     ref_ds = TensorDataset(*[t[keep] for t in ds.tensors])
-    big = fit(learner(ref_ds, 16, MLP(32, seed=0), [MixedPrecision(init_scale=2.**10)], SGD, 0.1))
+    big = fit_silent(learner(ref_ds, 16, MLP(32, seed=0), [MixedPrecision(init_scale=2.**10)], SGD, 0.1))
     assert big.train_iter == ga.steps and rel_err(w(acc), w(big)) <= 2e-3
 
 @needs_gpu
@@ -74,8 +69,8 @@ def test_gradient_clip_once_per_window_fp16():
     "GradientClip after the scaler's unscale, on the window gradient: the same clipped step as one big batch"
     ds = make_data(64, n_in=32)
     cbs = lambda: [MixedPrecision(init_scale=2.**10), GradientClip(0.05)]
-    big = fit(learner(ds, 16, MLP(32, seed=0), cbs(), SGD, 0.5))
-    acc = fit(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4)] + cbs(), SGD, 0.5))
+    big = fit_silent(learner(ds, 16, MLP(32, seed=0), cbs(), SGD, 0.5))
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4)] + cbs(), SGD, 0.5))
     assert acc.gradient_accumulation.steps == 4 and rel_err(w(acc), w(big)) <= 2e-3
 
 # -- BatchNorm modes on a torchvision resnet --------------------------------------------------------------------------
@@ -100,7 +95,7 @@ def test_pool_statistics_equal_big_batch(channels_last):
     "'pool' on resnet18 (lr 0, so every window sees the same weights): bn1's running stats are the big batch's"
     learn,ds = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')], channels_last)
     big,_ = bn_learner(16, [], channels_last)
-    fit(learn); fit(big)
+    fit_silent(learn); fit_silent(big)
     for a,b in ((learn.model.bn1, big.model.bn1),):
         assert a.num_batches_tracked == b.num_batches_tracked == 2
         assert rel_err(a.running_mean.cpu(), b.running_mean.cpu()) <= 1e-4
@@ -114,21 +109,21 @@ def test_momentum_mode_sets_and_restores():
         order = BatchNormAccumulation.order+1
         def before_batch(self): seen.append(self.model.layer1[0].bn1.momentum)
     learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('momentum'), Spy()], lr=0.1)
-    fit(learn)
+    fit_silent(learn)
     assert seen and all(m == pytest.approx(accumulated_momentum(0.1, 4)) for m in seen) and learn.model.layer1[0].bn1.momentum == 0.1
     assert learn.model.bn1.num_batches_tracked == 8   # one update per micro-batch
 
 def test_freeze_keeps_statistics():
     learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('freeze')], lr=0.1)
     before = learn.model.bn1.running_mean.clone()
-    fit(learn)
+    fit_silent(learn)
     assert torch.equal(learn.model.bn1.running_mean, before) and learn.gradient_accumulation.steps == 2
     assert torch.isfinite(w(learn)).all()
 
 def test_groupnorm_conversion_trains_on_device():
     learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('groupnorm')], lr=0.1)
     ps = [id(p) for p in learn.model.parameters()]
-    fit(learn)
+    fit_silent(learn)
     assert isinstance(learn.model.bn1, nn.GroupNorm) and learn.model.bn1.weight.device.type == DEVICE.type
     assert [id(p) for p in learn.model.parameters()] == ps and torch.isfinite(w(learn)).all()
 
@@ -140,7 +135,7 @@ def test_renorm_conversion_eval_output_and_training(channels_last):
     if channels_last: x = x.contiguous(memory_format=torch.channels_last)
     learn.model.eval()
     with torch.no_grad(): y0 = learn.model(x)
-    fit(learn)   # lr 0: weights unchanged; statistics move
+    fit_silent(learn)   # lr 0: weights unchanged; statistics move
     assert isinstance(learn.model.bn1, BatchRenorm) and isinstance(learn.model.bn1, nn.BatchNorm2d)
     learn.model.eval()
     with torch.no_grad(): assert torch.isfinite(learn.model(x)).all() and y0.shape == learn.model(x).shape
@@ -163,8 +158,8 @@ def test_ddp_no_sync_one_allreduce_per_step(process_group):
     learn = learner(ds, 4, MLP(8, seed=0), [GradientAccumulation(4)])
     learn.model = DDP(learn.model, device_ids=[DEVICE.index or 0] if ON_GPU else None)
     counter = count_allreduces(learn.model)
-    fit(learn)
-    big = fit(learner(ds, 16, MLP(8, seed=0)))
+    fit_silent(learn)
+    big = fit_silent(learner(ds, 16, MLP(8, seed=0)))
     assert counter.n_rounds == learn.gradient_accumulation.steps == 4
     assert rel_err(w(learn), w(big)) <= 1e-5
 
@@ -175,7 +170,7 @@ def test_syncbatchnorm_pool_under_ddp(process_group):
     if ON_GPU: learn.model = nn.SyncBatchNorm.convert_sync_batchnorm(learn.model)
     learn.model = DDP(learn.model, device_ids=[DEVICE.index or 0] if ON_GPU else None)
     big,_ = bn_learner(16, [])
-    fit(learn); fit(big)
+    fit_silent(learn); fit_silent(big)
     a,b = learn.model.module.bn1,big.model.bn1
     assert isinstance(a, nn.SyncBatchNorm) == ON_GPU and a.num_batches_tracked == 2
     assert rel_err(a.running_mean.cpu(), b.running_mean.cpu()) <= 1e-4 and rel_err(a.running_var.cpu(), b.running_var.cpu()) <= 1e-4
@@ -185,7 +180,7 @@ def test_compile_default_is_exact():
     ds = make_data(64, n_in=8)
     acc = learner(ds, 4, torch.compile(MLP(8, seed=0)), [GradientAccumulation(4)])
     big = learner(ds, 16, MLP(8, seed=0))
-    fit(acc, 2); fit(big, 2)
+    fit_silent(acc, 2); fit_silent(big, 2)
     assert acc.gradient_accumulation.steps == 8 and rel_err(w(acc), w(big)) <= 1e-5
 
 @pytest.mark.parametrize('mode', ['reduce-overhead', 'max-autotune'])
@@ -193,7 +188,7 @@ def test_compile_with_cuda_graphs_is_refused_clearly(mode):
     ds = make_data(32, n_in=8)
     learn = learner(ds, 4, torch.compile(MLP(8, seed=0), mode=mode), [GradientAccumulation(4)])
     w0 = w(learn).clone()
-    with pytest.raises(ValueError, match=r"CUDA graphs.*mode='default'"): fit(learn)
+    with pytest.raises(ValueError, match=r"CUDA graphs.*mode='default'"): fit_silent(learn)
     assert torch.equal(w(learn), w0) and not learn.lock.locked()
 
 # -- the job's CUDA path ------------------------------------------------------------------------------------------------

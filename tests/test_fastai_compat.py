@@ -26,13 +26,6 @@ from helpers import *
 TOL = 1e-5   # relative error of a window gradient against the one-big-batch gradient (float32, conv nets: ~1e-7 seen)
 STATS_TOL = 1e-5
 
-def quiet(learn): return learn.no_bar(), learn.no_logging()
-
-def fit(learn, n=1, meth='fit', **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore'); fit_quiet(learn, n, meth, **kw)
-    return learn
-
 def images(n=24, c=3, px=16, n_cls=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, c, px, px, generator=g), torch.randint(0, n_cls, (n,), generator=g))
@@ -79,7 +72,7 @@ def test_one_off_hyper_change_is_kept_with_carry():
     "9 micro-batches an epoch, n_step 4, 'carry': the window open at the change still steps with its own start lr"
     spy = LrAtStep()
     learn = make_learner(make_data(36), 4, cbs=[GradientAccumulation(4, partial='carry'), SetLR(), spy], lr=1e-2)
-    fit(learn, 2)
+    fit_silent(learn, 2)
     # windows: 0-3, 4-7 (lr 1e-2), 8-11 (carried from epoch 0: 1e-2), 12-15 (1e-3), 16-17 dropped at the end of fit
     assert spy.lrs == [1e-2, 1e-2, 1e-2, 1e-3]
     assert learn.opt.hypers[0]['lr'] == 1e-3
@@ -89,7 +82,7 @@ def test_reduce_lr_on_plateau_with_carry():
     spy = LrAtStep()
     learn = make_learner(make_data(36), 4, lr=1e-2, cbs=[GradientAccumulation(4, partial='carry'), spy,
                          ReduceLROnPlateau(monitor='valid_loss', patience=0, factor=10., min_delta=10.)])
-    fit(learn, 3)
+    fit_silent(learn, 3)
     assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-4)   # reduced after epochs 0 and 1
     assert spy.lrs[-1] == pytest.approx(1e-3) and sorted(spy.lrs, reverse=True) == spy.lrs
 
@@ -107,7 +100,7 @@ def test_cancel_in_after_batch_before_us_logs_and_resets(cancel, steps, dropped)
     cut = CancelAfterBatch(5) if cancel == 'epoch' else ShortEpochCallback(pct=0.6, short_valid=False)
     spy,cnt = WindowSpy(),StepCounter()
     learn = make_learner(make_data(40), 2, cbs=[GradientAccumulation(3, partial='carry'), cut, spy, cnt])
-    fit(learn, 2)
+    fit_silent(learn, 2)
     ga = learn.gradient_accumulation
     assert ga.steps == cnt.n == len(spy.errs) == steps and ga.window_sizes == [6]*steps
     assert max(spy.errs) <= TOL, spy.errs        # the next window is not normalised by a stale item count
@@ -121,7 +114,7 @@ def test_terminate_on_nan():
             if self.training and self.train_iter == 7: self.learn.loss_grad = self.loss_grad*float('nan'); self.learn.loss = self.loss*float('nan')
     cnt = StepCounter()
     learn = make_learner(make_data(40), 2, cbs=[GradientAccumulation(3), NaNAt(), TerminateOnNaNCallback(), cnt])
-    fit(learn, 2)
+    fit_silent(learn, 2)
     ga = learn.gradient_accumulation
     assert cnt.n == ga.steps == 2 and ga.window_sizes == [6, 6]   # micro-batches 0-5 stepped; 6-7 never
     assert torch.isfinite(weights(learn)).all() and grads_clean(learn.model)
@@ -135,7 +128,7 @@ class CancelBackward(Callback):
 def test_cancelled_backward_is_not_counted(order):
     spy,cnt = WindowSpy(),StepCounter()
     learn = make_learner(make_data(36), 4, cbs=[GradientAccumulation(4), CancelBackward({0, 5}, order), spy, cnt])
-    fit(learn, 1)
+    fit_silent(learn, 1)
     ga = learn.gradient_accumulation
     assert max(spy.errs) <= 1e-6, spy.errs
     assert ga.window_micro == [4, 3] and ga.window_items == [16, 12] and cnt.n == 2   # 0 and 5 never back-propagated
@@ -145,7 +138,7 @@ def test_cancelled_backward_not_pooled_by_batchnorm():
     ds = images(16)
     learn = img_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool'), CancelBackward({1}, 0)], n=16,
                         model=BNConvNet(), lr=0.)
-    bn = learn.model.body[1]; fit(learn, 1)
+    bn = learn.model.body[1]; fit_silent(learn, 1)
     x = torch.cat([ds.tensors[0][:4], ds.tensors[0][8:]])   # micro-batch 1 (samples 4-7) cancelled
     with torch.no_grad(): h = learn.model.body[0](x)
     m = 0.1
@@ -163,22 +156,22 @@ def test_zero_item_micro_batch_counts_zero():
     learn = Learner(make_dls(TensorDataset(x, y), 4), nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, V)),
                     loss_func=loss, opt_func=SGD, lr=0.1,
                     cbs=[GradientAccumulation(3, n_items=lambda l: (l.yb[0] != -100).sum()), spy, cnt])
-    fit(learn, 1)
+    fit_silent(learn, 1)
     ga = learn.gradient_accumulation
     assert cnt.n == ga.steps == 2 and ga.n_skipped == 0
     assert ga.window_items[0] == (y[:12] != -100).sum().item() == 8*T
     assert all(np.isfinite(ga.window_losses)) and max(spy.errs) <= 1e-6 and torch.isfinite(weights(learn)).all()
 
 def test_batchnorm_on_learner_ga_in_fit_cbs_inference_never_hangs():
-    "'pool' on the Learner, GradientAccumulation given to fit(cbs=...): validate/get_preds/predict work before and after"
+    "'pool' on the Learner, GradientAccumulation given to fit_silent(cbs=...): validate/get_preds/predict work before and after"
     learn = img_learner(4, [BatchNormAccumulation('pool')], model=BNConvNet())
     with learn.no_bar(), learn.no_logging():
         learn.validate(); learn.get_preds()
-        fit(learn, 1, cbs=GradientAccumulation(2))
+        fit_silent(learn, 1, cbs=GradientAccumulation(2))
         learn.validate(); preds,_ = learn.get_preds()
     assert not learn.lock.locked() and len(preds) == 8
     assert learn.model.body[1].num_batches_tracked == 3   # 6 micro-batches of 4: 3 windows
-    with pytest.raises(ValueError, match=r"accum_callback.GradientAccumulation.*not in this fit"): fit(learn, 1)
+    with pytest.raises(ValueError, match=r"accum_callback.GradientAccumulation.*not in this fit"): fit_silent(learn, 1)
     assert not learn.lock.locked()
     with learn.no_bar(), learn.no_logging(): learn.validate()
 
@@ -188,7 +181,7 @@ def test_conversion_happens_when_training_starts(mode):
     with learn.no_bar(), learn.no_logging(): learn.get_preds(); learn.validate()
     learn.summary()
     assert type(learn.model.body[1]) is nn.BatchNorm2d   # inference did not convert
-    fit(learn, 1)
+    fit_silent(learn, 1)
     assert type(learn.model.body[1]) is not nn.BatchNorm2d
 
 # -- converted layers get fastai's BatchNorm treatment -----------------------------------------------------------------
@@ -211,7 +204,7 @@ def test_bnfreeze_freezes_renorm_layers():
     learn = vision(cbs=[GradientAccumulation(2), BatchNormAccumulation('renorm'), BnFreeze()], train_bn=False)
     learn.freeze()
     before = [m.running_mean.clone() for m in body_norms(learn)]
-    fit(learn, 1)
+    fit_silent(learn, 1)
     after = body_norms(learn)
     assert len(after) == 20 and all(isinstance(m, BatchRenorm) for m in after)
     assert all(torch.equal(a, m.running_mean) for a,m in zip(before, after))   # 0 of 20 drifted
@@ -224,7 +217,7 @@ def test_train_bn_and_wd_bn_bias_treat_converted_layers_as_batchnorm(mode):
     learn.freeze()
     w0 = [m.weight.detach().clone() for m in body_norms(learn)]
     c0 = [p.detach().clone() for p in learn.model[0][0].parameters()]   # the frozen stem conv
-    fit(learn, 1, lr=1e-2)
+    fit_silent(learn, 1, lr=1e-2)
     norms = body_norms(learn)
     assert all(not isinstance(m, nn.BatchNorm2d) or isinstance(m, BatchRenorm) for m in norms)
     assert all(m.weight.requires_grad for m in norms) and sum(not torch.equal(a, m.weight) for a,m in zip(w0, norms)) == 20
@@ -240,7 +233,7 @@ def big_and_accum(cbs_fn, n=24, micro=4, k=3, epochs=2, meth='fit', model=ConvNe
     big = img_learner(micro*k, cbs_fn(), n=n, model=model(), opt_func=opt_func, lr=lr)
     acc = img_learner(micro, [GradientAccumulation(k)] + cbs_fn(), n=n, model=model(), opt_func=opt_func, lr=lr)
     cnt = StepCounter(); acc.add_cb(cnt)
-    fit(big, epochs, meth, **kw); fit(acc, epochs, meth, **kw)
+    fit_silent(big, epochs, meth, **kw); fit_silent(acc, epochs, meth, **kw)
     return big, acc, cnt
 
 @pytest.mark.parametrize('name,cbs_fn,check', [
@@ -270,10 +263,10 @@ def test_early_stopping_and_save_model(tmp_path):
     "Both stop at the same epoch and reload the same best weights; the next fit starts clean"
     def cbs(): return [EarlyStoppingCallback(patience=0, min_delta=10.), SaveModelCallback(fname='best')]
     big = img_learner(12, cbs(), path=tmp_path/'b'); acc = img_learner(4, [GradientAccumulation(3)] + cbs(), path=tmp_path/'a')
-    fit(big, 5); fit(acc, 5)
+    fit_silent(big, 5); fit_silent(acc, 5)
     assert len(acc.recorder.values) == len(big.recorder.values) == 2
     assert rel_err(weights(acc), weights(big)) <= 1e-5 and grads_clean(acc.model)
-    spy = WindowSpy(); acc.add_cb(spy); fit(acc, 1)
+    spy = WindowSpy(); acc.add_cb(spy); fit_silent(acc, 1)
     assert max(spy.errs) <= 1e-6
 
 @pytest.mark.parametrize('cls', [MixUp, CutMix])
@@ -292,7 +285,7 @@ def test_mixup_cutmix_window_gradient(cls):
     torch.manual_seed(0)
     spy,cnt = MicroSpy(),StepCounter()
     learn = img_learner(4, [GradientAccumulation(3), cls(), spy, cnt])
-    fit(learn, 1)
+    fit_silent(learn, 1)
     assert cnt.n == 2 and len(spy.errs) == 2 and max(spy.errs) <= 1e-5
 
 def test_lr_find():
@@ -309,7 +302,7 @@ def test_fine_tune_vision_learner_pool():
     cnt = StepCounter()
     learn = vision(cbs=[GradientAccumulation(2), BatchNormAccumulation('pool'), cnt], ps=0.)
     bn = learn.model[0][1]
-    fit(learn, 1, 'fine_tune', freeze_epochs=1)
+    fit_silent(learn, 1, 'fine_tune', freeze_epochs=1)
     assert cnt.n == learn.gradient_accumulation.steps + 2 == 4   # 2 windows a fit, 2 fits
     assert bn.num_batches_tracked == 4 and bn.momentum == 0.1 and not bn._forward_hooks and grads_clean(learn.model)
 
@@ -329,7 +322,7 @@ def test_unet_ignore_index_exact_with_frozen_bn():
     big = make(12, [])
     acc = make(4, [GradientAccumulation(3, n_items=lambda l: (l.yb[0] != 255).sum()), StepCounter()])
     w0 = weights(acc).clone()
-    fit(big, 1, lr=0.1); fit(acc, 1, lr=0.1)
+    fit_silent(big, 1, lr=0.1); fit_silent(acc, 1, lr=0.1)
     ga = acc.gradient_accumulation
     assert acc.step_counter.n == ga.steps == 1 and ga.window_items == [8*32*22] and np.isfinite(ga.window_losses[0])
     assert rel_err(weights(acc)-w0, weights(big)-w0) <= 1e-4   # the update itself, relative
@@ -344,7 +337,7 @@ def test_tabular_learner_pool():
                                      bs=4, shuffle=False, valid_idx=list(range(40, 48)), device='cpu')
     dls.train.shuffle = False; dls.train.drop_last = False
     learn = tabular_learner(dls, layers=[8], n_out=2, cbs=[GradientAccumulation(5), BatchNormAccumulation('pool'), StepCounter()], lr=0.)
-    fit(learn, 1)
+    fit_silent(learn, 1)
     bn = learn.model.bn_cont
     xs = torch.cat([b[1] for b in dls.train])   # the normalised continuous inputs, in training order (40 rows)
     assert learn.step_counter.n == learn.gradient_accumulation.steps == 2 and bn.num_batches_tracked == 2
@@ -372,7 +365,7 @@ def test_text_classifier_awd_lstm_regularizer():
     acc,noreg = make(4, [GradientAccumulation(3), StepCounter()]),make(4, [GradientAccumulation(3)], alpha=0., beta=0.)
     assert any(type(c).__name__ == 'RNNRegularizer' and c.alpha > 0 for c in acc.cbs)
     assert any(type(c).__name__ == 'ModelResetter' for c in acc.cbs)
-    fit(acc, 2); fit(noreg, 2)
+    fit_silent(acc, 2); fit_silent(noreg, 2)
     ga = acc.gradient_accumulation
     assert acc.step_counter.n == ga.steps == 2 and ga.window_items == [12, 12] and np.isfinite(ga.window_losses).all()
     assert not torch.equal(weights(acc), weights(noreg)) and grads_clean(acc.model)
@@ -380,7 +373,7 @@ def test_text_classifier_awd_lstm_regularizer():
 # -- the Learner itself: export, pickle, deepcopy -----------------------------------------------------------------------
 def test_export_load_learner_and_deepcopy(tmp_path):
     learn = img_learner(4, [GradientAccumulation(3), BatchNormAccumulation('pool')], model=BNConvNet(), path=tmp_path)
-    fit(learn, 1)
+    fit_silent(learn, 1)
     bn = learn.model.body[1]
     assert bn.momentum == 0.1 and not bn._forward_hooks and not bn._forward_pre_hooks   # nothing left behind
     learn.dls.new_empty = lambda: learn.dls   # plain tensor loaders have no empty copy; fastai's own loaders do
@@ -391,6 +384,6 @@ def test_export_load_learner_and_deepcopy(tmp_path):
     assert torch.equal(new.model(x), learn.model(x))
     twin = copy.deepcopy(learn); again = pickle.loads(pickle.dumps(learn))
     for l in (twin, again, learn):
-        l.model.train(); fit(l, 1)
+        l.model.train(); fit_silent(l, 1)
     assert torch.equal(weights(twin), weights(learn)) and torch.equal(weights(again), weights(learn))
     assert isinstance(again.gradient_accumulation, GradientAccumulation) and again.gradient_accumulation.steps == 2
