@@ -13,7 +13,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 
 from accum_callback import GradientAccumulation
 from accum_callback.distributed import count_allreduces
-from helpers import MLP, make_learner
+from helpers import MLP, Float64Smoothing, make_learner
 
 LR = 0.1
 
@@ -74,10 +74,8 @@ class SyncEveryDDP(DDP):
     "DDP that all-reduces after every backward, even inside `no_sync` (the reference that synchronises every micro-batch)"
     def no_sync(self): return contextlib.nullcontext()
 
-class Float64Run(Callback):
+class Float64Run(Float64Smoothing):
     "Skip validation (not under test), and let the Recorder's loss smoothing take float64 losses"
-    order = 51   # after `Recorder.before_fit` resets its smoother
-    def before_fit(self): self.learn.recorder.smooth_loss.val = self.learn.recorder.smooth_loss.val.double()
     def before_validate(self): raise CancelValidException()
 
 class DDPSpy(Callback):

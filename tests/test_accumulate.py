@@ -55,7 +55,7 @@ def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_stil
 # -- exactness ---------------------------------------------------------------------------------------------------
 def run_spy(n, bs, n_epoch=2, spy=None, ds=None, **kw):
     spy = spy or WindowSpy()
-    learn = make_learner(ds or make_data(n), bs, cbs=[GradientAccumulation(**kw), spy])
+    learn = make_learner(ds or make_data(n), bs, cbs=[GradientAccumulation(**kw), spy], dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         fit_quiet(learn, n_epoch)

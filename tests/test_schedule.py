@@ -22,7 +22,7 @@ def expected(n, bs, n_epoch, sched, by_items=False):
 
 def run(n, bs, n_epoch, **kw):
     spy = WindowSpy()
-    learn = make_learner(make_data(n), bs, cbs=[GradientAccumulation(**kw), spy])
+    learn = make_learner(make_data(n), bs, cbs=[GradientAccumulation(**kw), spy], dtype=torch.float64)
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); fit_quiet(learn, n_epoch)
     return learn.gradient_accumulation, spy
 
