@@ -269,10 +269,10 @@ def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, r
     from accum_callback import BatchNormAccumulation
     device = torch.device(device); cuda = device.type == 'cuda'
     ds = images(b*k*windows, px)
-    amp = [MixedPrecision()] if cuda else []
+    def amp(): return [MixedPrecision()] if cuda else []   # one per Learner: a callback holds its Learner in `.learn`
     def model(): torch.manual_seed(0); return torchvision.models.get_model(arch, num_classes=10).to(device)
     def lrn(bs, cbs):
-        learn = learner(model(), ds, bs, cbs + amp, device=device)
+        learn = learner(model(), ds, bs, cbs + amp(), device=device)
         if cuda: learn.add_cb(_CudaSync())
         return learn
     learners = dict(ours=lrn(b, [GradientAccumulation(k)]), fastai=lrn(b, [FastaiGA(b*k)]), big=lrn(b*k, []),
@@ -337,8 +337,8 @@ def main(argv=None):
     sz,repeats = SIZES['quick' if args.quick else 'default'],args.repeats or (1 if args.quick else 7)
     t0,started = time.perf_counter(),datetime.datetime.now().strftime('%Y-%m-%d %H:%M')
     mach,warmup = machine(),not args.quick   # the machine first (the load average)
-    def section(name, f, *a):
-        t = time.perf_counter(); res = f(*a)
+    def section(name, f, *a, **kw):
+        t = time.perf_counter(); res = f(*a, **kw)
         print(f'bench: {name} done in {time.perf_counter()-t:.0f} s', file=sys.stderr, flush=True)
         return res
     # Processes fork before this one runs a tensor op (an OpenMP pool is not fork-safe): memory, then DDP, then timings

@@ -76,7 +76,7 @@ def test_folder(cache, tmp_path):
     assert round(m['accuracy']*9, 6) == round(m['accuracy']*9)
     again = tmp_path/'again'
     res = run_cli('--data', data, '--micro-bs', 2, '--n-step', 4, '--bn', 'none', '--epochs', 2, '--valid-pct', 0.3,
-                  '--out', again)
+                  '--device', 'cpu', '--out', again)   # not auto: on a GPU machine that is another device
     m2 = json.loads((again/'metrics.json').read_text())
     assert (m2['accuracy'], m2['valid_loss']) == (m['accuracy'], m['valid_loss'])
 

@@ -52,14 +52,17 @@ def test_mixed_precision_equals_big_batch(amp_mode):
 def test_fp16_overflowing_windows_skipped_whole():
     """fp16 with a huge initial scale: the first windows overflow and are skipped whole (one scaler update each, so the
     scale halves once per window); compared like with like: the big batch over the windows that stepped"""
-    ds = make_data(192, n_in=32)
-    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**120)], SGD, 0.1))
+    # 2**30 overflows fp16 (max 65504) for any activation gradient above 2**-14 until ~14 + log2|g| halvings: with 48
+    # windows some overflow and some step for |g| from 2**-13 to 2**33 (2**120 never came under the limit in 12 windows)
+    n = 768
+    ds = make_data(n, n_in=32)
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**30)], SGD, 0.1))
     ga = acc.gradient_accumulation
-    n_win = 192//16
+    n_win = n//16
     assert ga.steps + ga.n_step_cancelled == n_win and 0 < ga.n_step_cancelled < n_win
-    assert acc.scaler.get_scale() == 2.**120 * 0.5**ga.n_step_cancelled   # growth_interval 2000: no growth yet
+    assert acc.scaler.get_scale() == 2.**30 * 0.5**ga.n_step_cancelled   # growth_interval 2000: no growth yet
     skipped = ga.n_step_cancelled   # overflow only at the start, while the scale is too large
-    keep = torch.arange(16*skipped, 192)
+    keep = torch.arange(16*skipped, n)
     ref_ds = TensorDataset(*[t[keep] for t in ds.tensors])
     big = fit_silent(learner(ref_ds, 16, MLP(32, seed=0), [MixedPrecision(init_scale=2.**10)], SGD, 0.1))
     assert big.train_iter == ga.steps and rel_err(w(acc), w(big)) <= 2e-3
