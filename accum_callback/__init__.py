@@ -1,15 +1,33 @@
 "Exact gradient accumulation for fastai, and the BatchNorm problem accumulation creates, solved"
 __version__ = '0.1.0'
 
-import warnings as _warnings
-with _warnings.catch_warnings():   # fastai.layers calls the deprecated torch.jit.script at import: not the user's concern
-    _warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
-    import fastai.basics  # noqa: F401
+import importlib as _importlib, sys as _sys
 
-from .schedule import WindowSchedule, as_window_schedule, batch_growth_from_lr
-from .accumulate import GradientAccumulation, PARTIAL_MODES
-from .batchnorm import (BatchNormAccumulation, BN_MODES, accumulated_momentum, BatchRenorm, bn_to_groupnorm,
-                        bn_to_batchrenorm)
+# name -> submodule. Loaded on first use (PEP 562), so that `python -m accum_callback --help` answers before torch and
+# fastai load; where fastai is loaded already (a notebook), everything loads now and `Learner.accumulate` is there at once.
+_API = dict(
+    GradientAccumulation='accumulate', Window='accumulate', PARTIAL_MODES='accumulate',
+    WindowSchedule='schedule', as_window_schedule='schedule', batch_growth_from_lr='schedule',
+    BatchNormAccumulation='batchnorm', MODES='batchnorm', accumulated_momentum='batchnorm', pooled_mean_var='batchnorm',
+    PooledStats='batchnorm', BN_MODES='modes',
+    BatchRenorm='norm_layers', BatchRenorm1d='norm_layers', BatchRenorm2d='norm_layers', BatchRenorm3d='norm_layers',
+    bn_to_groupnorm='norm_layers', bn_to_batchrenorm='norm_layers')
+__all__ = list(_API)
 
-__all__ = ['GradientAccumulation', 'PARTIAL_MODES', 'WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr',
-           'BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'bn_to_groupnorm', 'bn_to_batchrenorm']
+def _load(mod:str):
+    import warnings
+    with warnings.catch_warnings():   # fastai.layers calls the deprecated torch.jit.script at import: not the user's concern
+        warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
+        return _importlib.import_module(f'{__name__}.{mod}')
+
+def __getattr__(name:str):
+    if name not in _API: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    v = getattr(_load(_API[name]), name)
+    globals()[name] = v
+    return v
+
+def __dir__(): return sorted(list(globals()) + __all__)
+
+if 'fastai.learner' in _sys.modules:
+    for _m in dict.fromkeys(_API.values()): _load(_m)
+    for _n in __all__: globals()[_n] = getattr(_sys.modules[f'{__name__}.{_API[_n]}'], _n)

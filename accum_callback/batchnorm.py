@@ -1,30 +1,22 @@
-"BatchNorm under gradient accumulation: pooled running statistics, the momentum rule, frozen statistics, GroupNorm, Batch Renorm"
+"""BatchNorm under gradient accumulation: `BatchNormAccumulation` and its modes (pooled running statistics, the momentum
+rule, frozen statistics, conversion to GroupNorm or Batch Renorm), each a small strategy class in `MODES`"""
 from __future__ import annotations
-import functools, warnings
+import warnings
 from numbers import Real
 
-import torch, torch.nn as nn, torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
-import torch.distributed as dist
+import torch, torch.nn as nn
 from fastai.callback.core import Callback
+from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastcore.basics import store_attr
 
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-
 from .accumulate import GradientAccumulation
-from .schedule import _whole
+from .distributed import sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
+from .modes import BN_MODES
+from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
+from .schedule import _whole
 
-__all__ = ['BatchNormAccumulation', 'BN_MODES', 'accumulated_momentum', 'BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d',
-           'BatchRenorm3d', 'bn_to_groupnorm', 'bn_to_batchrenorm']
-
-BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
-_NEEDS_GA = ('pool', 'momentum')   # modes that read the window structure
-
-def _real(v, name:str, lo:float)->float:
-    if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
-    if not v >= lo: raise ValueError(f"`{name}` must be >= {lo}, got {v}")
-    return float(v)
+__all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats']
 
 def accumulated_momentum(
     m:float|None, # a BatchNorm momentum (None: cumulative average, left as is)
@@ -41,200 +33,234 @@ def accumulated_momentum(
     if isinstance(m, bool) or not isinstance(m, Real) or not 0 <= m <= 1: raise ValueError(f"`m` must be in [0, 1] or None, got {m!r}")
     return 1 - (1-float(m))**(1/k)
 
-# -- module conversion ------------------------------------------------------------------------------------------------
-def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
-    "Replace each `_BatchNorm` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
-    memo = {} if memo is None else memo
-    if _is_bn(module):
-        if id(module) not in memo: memo[id(module)] = fn(module, name or '<root>')
-        return memo[id(module)]
-    for n,child in list(module._modules.items()):   # not `named_children`, which skips a module's second name
-        if child is None: continue
-        new = _convert(child, fn, f'{name}.{n}' if name else n, memo)
-        if new is not child: module.add_module(n, new)
-    return module
+def pooled_mean_var(
+    n:torch.Tensor, # (G, C) items behind each group's statistics (0 for an empty group, whose mean and var must be 0)
+    mean:torch.Tensor, # (G, C) each group's mean
+    var:torch.Tensor, # (G, C) each group's unbiased variance
+)->tuple[torch.Tensor,torch.Tensor]:
+    """Mean and unbiased variance of the union of the groups (Chan et al.): within-group sums of squares plus the
+    spread of the group means. Exactly the statistics one batch of all the items gives, up to rounding.
 
-def _is_bn(m)->bool: "A BatchNorm layer to convert or treat (a `BatchRenorm` is one to fastai, not to us)"; return isinstance(m, _BatchNorm) and not isinstance(m, BatchRenorm)
-
-def _factory(bn)->dict:
-    t = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
-    return {} if t is None else dict(device=t.device, dtype=t.dtype)
-
-def _has_stats(bn)->bool:
-    "Does `bn` hold running statistics other than the ones it was initialised with?"
-    if bn.running_mean is None: return False
-    nbt = bn.num_batches_tracked
-    return bool((nbt is not None and nbt > 0) or bn.running_mean.ne(0).any() or bn.running_var.ne(1).any())
-
-def _groups(c:int, num_groups:int)->int: return max(g for g in range(1, min(c, num_groups)+1) if c % g == 0)
-
-def bn_to_groupnorm(
-    module:nn.Module, # a model (or a single BatchNorm layer)
-    num_groups:int=32, # most groups per layer: each layer gets the largest count <= this that divides its channels
-)->nn.Module:
-    """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `nn.GroupNorm`, in place, and return the root
-    (a new module only when `module` itself is a BatchNorm). The GroupNorm reuses the BatchNorm's own `weight` and `bias`
-    Parameter objects, so an optimizer, fastai param groups, freeze/unfreeze and discriminative learning rates built
-    on the model keep working; device, dtype, `training` and `requires_grad` are kept. Running statistics are
-    discarded: one warning when any were not at their initial values.
-
-    GroupNorm accepts `(N,C)` input too (a `BatchNorm1d` head): each group is then normalised over its `C/groups`
-    channels of one sample, so a group of one channel gives just the bias (a warning names such `BatchNorm1d` layers).
-
-    >>> from torchvision.models import resnet18
-    >>> m = bn_to_groupnorm(resnet18(weights=None))
-    >>> type(m.bn1).__name__, m.bn1.num_groups, m.layer4[0].bn2.num_channels
-    ('GroupNorm', 32, 512)
+    >>> x = torch.arange(10.).double(); a,b = x[:4],x[4:]
+    >>> m,v = pooled_mean_var(torch.tensor([[4.],[6.]]).double(), torch.stack([a.mean(), b.mean()])[:,None], torch.stack([a.var(), b.var()])[:,None])
+    >>> (m.item(), round(v.item(), 10)) == (x.mean().item(), round(x.var().item(), 10))
+    True
     """
-    num_groups = _whole(num_groups, 'num_groups')
-    stats,single = [],[]
-    def fn(bn, name):
-        g = _groups(bn.num_features, num_groups)
-        gn = (GroupNormAct if _is_norm_act(bn) else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
-        if bn.affine: gn.weight,gn.bias = bn.weight,bn.bias
-        _keep_act(bn, gn)
-        gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
-        if _has_stats(bn): stats.append(name)
-        if isinstance(bn, nn.BatchNorm1d) and g == bn.num_features: single.append(name)
-        return gn.train(bn.training)
-    res = _convert(module, fn)
-    if stats: warnings.warn(f"bn_to_groupnorm: running statistics of {len(stats)} BatchNorm layer(s) (e.g. {stats[0]}) "
-                            "are discarded: GroupNorm normalises with per-sample statistics only", stacklevel=2)
-    if single: warnings.warn(f"bn_to_groupnorm: {single} got one channel per group: on (N,C) input such a GroupNorm "
-                             "outputs only its bias; give a smaller `num_groups`", stacklevel=2)
-    return res
+    tot = n.sum(0)
+    m = (n*mean).sum(0)/tot
+    v = ((n-1)*var + n*(mean-m).square()).sum(0)/(tot-1)
+    return m,v
 
-class BatchRenorm(_BatchNorm):
-    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input: a `_BatchNorm` with
-    BatchNorm's parameters, buffers and state-dict keys. Training normalises with the batch statistics corrected towards
-    the running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
-    clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`, `d_max` start at 1, 0
-    (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over `ramp` forwards.
-    `BatchRenorm1d/2d/3d` are also `nn.BatchNorm1d/2d/3d`, so fastai treats them as BatchNorm (`BnFreeze`, `train_bn`,
-    `wd_bn_bias`); the converters pick the one matching the layer they replace."""
-    def __init__(self,
-        num_features:int, # channels C
-        eps:float=1e-5, # added to the variance
-        momentum:float|None=0.1, # running-statistics momentum (None: cumulative average), as in BatchNorm
-        affine:bool=True, # learn a per-channel weight and bias
-        track_running_stats:bool=True, # keep running statistics (else batch statistics always, as BatchNorm)
-        r_max:float=3., # largest std correction once ramped (>= 1)
-        d_max:float=5., # largest mean correction, in running stds, once ramped (>= 0)
-        warmup:int=0, # training forwards with r_max=1, d_max=0 (plain BatchNorm) first
-        ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
-        device=None, dtype=None):
-        num_features = _whole(num_features, 'num_features')
-        r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),_whole(warmup, 'warmup', lo=0),_whole(ramp, 'ramp', lo=0)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
-        self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
+class PooledStats:
+    """Per-micro-batch statistics of a set of BatchNorm layers on one device and dtype, pooled once per window.
 
-    def _check_input_dim(self, x):
-        if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
+    BatchNorm's own kernel computes each micro-batch's mean and unbiased variance: with momentum 1 it writes them into
+    the running buffers. So before each training forward of a layer its running buffers are swapped for views into one
+    preallocated window tensor `(slots, 2, channels of all layers)`, and put back after (BatchNorm's kernel writes
+    buffers without bumping autograd's version counter, and nothing else writes the window tensor until the window's
+    backward passes are over). Per micro-batch nothing else runs: no allocation, no extra kernel, no host
+    synchronisation. When a window steps, `close` pools every layer's slots and updates every layer's running
+    statistics in a fixed handful of batched and `_foreach` ops, whatever the number of layers; the item counts travel
+    in one host-to-device copy (from pinned memory on a GPU)."""
+    def __init__(self, bns:list, momenta:list, cap:int=1):
+        self.bns,self.momenta = bns,momenta
+        rm = bns[0].running_mean
+        self.device,self.dtype,self.sizes = rm.device,rm.dtype,[bn.num_features for bn in bns]
+        L,dev = len(bns),rm.device
+        self.offsets = [sum(self.sizes[:l]) for l in range(L)]
+        self.chan_layer = torch.repeat_interleave(torch.arange(L, device=dev), torch.tensor(self.sizes, device=dev))
+        # host copies of `num_batches_tracked`, read once: a momentum of None weighs by it
+        nbt = [bn.num_batches_tracked for bn in bns if bn.num_batches_tracked is not None]
+        self.nbt_host = [int(v) for v in torch.stack(nbt).tolist()] if any(m is None for m in momenta) and nbt else None
+        self.scratch = torch.zeros((), dtype=torch.long, device=dev)   # takes BatchNorm's `num_batches_tracked += 1`
+        self.S,self.views,self.cap = None,[],0
+        self.grow(cap)
+        self.used,self.counts = [0]*L,[[] for _ in bns]   # slots the window holds per layer, and their item counts
+        self.pending,self.n_pend = [],[0]*L   # (layer, items) of each forward of the micro-batch in progress; per layer
+        self.stash = [None]*L
+        self._pin,self._host,self._event = dev.type == 'cuda',None,None
 
-    def limits(self)->tuple[float,float]:
-        "`(r_max, d_max)` in force now"
-        t = self.renorm_steps - self.warmup
-        f = 0. if t < 0 else (1. if self.ramp == 0 else min(1., t/self.ramp))
-        return 1 + (self.r_max-1)*f, self.d_max*f
+    def grow(self, cap:int):
+        "Room for `cap` forwards of every layer in one window (the slots written so far are kept)"
+        if cap <= self.cap: return
+        S = torch.zeros(cap, 2, sum(self.sizes), device=self.device, dtype=self.dtype)
+        if self.S is not None: S[:self.cap].copy_(self.S)
+        self.S,self.cap = S,cap
+        self.views = [[(S[j, 0, o:o+c], S[j, 1, o:o+c]) for j in range(cap)] for o,c in zip(self.offsets, self.sizes)]
 
-    def forward(self, x:torch.Tensor)->torch.Tensor:
-        self._check_input_dim(x)
-        if x.shape[1] != self.num_features: raise ValueError(f"BatchRenorm({self.num_features}) got {x.shape[1]} channels")
-        rm,rv = self.running_mean,self.running_var
-        if not (self.training and self.track_running_stats and rm is not None):
-            # BatchNorm's own paths: evaluation with running statistics, or batch statistics without them
-            use = not self.training or self.track_running_stats
-            return F.batch_norm(x, rm if use else None, rv if use else None, self.weight, self.bias,
-                                self.training or rm is None, 0., self.eps)
-        n = x.numel() // x.shape[1]
-        if n < 2: raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
-        r_max,d_max = self.limits()
-        self.renorm_steps += 1
-        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        with torch.no_grad():   # r and d are constants to the backward (Ioffe 2017); the batch statistics are not
-            var,mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
-            std,rstd = (var + self.eps).sqrt(),(rv + self.eps).sqrt()
-            r = (std/rstd).clamp_(1/r_max, r_max)
-            d = ((mean-rm)/rstd).clamp_(-d_max, d_max)
-            self.num_batches_tracked.add_(1)
-            m = 1/float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            rm.lerp_(mean.to(rm.dtype), m); rv.lerp_((var*(n/(n-1))).to(rv.dtype), m)
-        # (x-mean_B)/std_B*r + d, then the affine: BatchNorm's fused kernel with weight w*r and bias w*d + b computes it,
-        # differentiating through the batch statistics as Batch Renorm does (1.25x BatchNorm here, 1.46x unfused)
-        w,b = (self.weight, self.bias) if self.affine else (1., 0.)
-        return F.batch_norm(xf, None, None, w*r, w*d + b, True, 0., self.eps).to(x.dtype)
+    def hooks(self, l:int):
+        "Forward pre-hook and hook of layer `l`: its buffers swapped for the next free slot, then put back"
+        bank,stash,world = self,self.stash,sync_batchnorm_world(self.bns[l])
+        def pre(bn, inp):
+            if not bn.training: return
+            j = bank.used[l] + bank.n_pend[l]
+            if j >= bank.cap: bank.grow(max(j+1, 2*bank.cap))
+            b = bn._buffers   # the dict itself: `Module.__setattr__` costs more than the rest of the hook
+            stash[l] = (b['running_mean'], b['running_var'], b['num_batches_tracked'])
+            b['running_mean'],b['running_var'] = bank.views[l][j]
+            if stash[l][2] is not None: b['num_batches_tracked'] = bank.scratch
+        def post(bn, inp, out):
+            s = stash[l]
+            if s is None: return
+            stash[l] = None
+            b = bn._buffers
+            b['running_mean'],b['running_var'],b['num_batches_tracked'] = s
+            bank.pending.append((l, inp[0].numel()//bn.num_features*world)); bank.n_pend[l] += 1
+        return pre,post
 
-    def extra_repr(self)->str:
-        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-                f"track_running_stats={self.track_running_stats}, r_max={self.r_max}, d_max={self.d_max}, "
-                f"warmup={self.warmup}, ramp={self.ramp}")
+    def end_micro(self, counted:bool):
+        "The micro-batch's backward ran and counts (its slots join the window), or not (they are cleared for reuse)"
+        if not self.pending: return
+        for l,n in self.pending:
+            if counted: self.used[l] += 1; self.counts[l].append(n)
+            else:   # rare (another callback cancelled the backward): its graph is gone, so the slot can be cleared
+                self.n_pend[l] -= 1
+                for v in self.views[l][self.used[l] + self.n_pend[l]]: v.zero_()
+        self.pending,self.n_pend = [],[0]*len(self.bns)
 
-# timm's norm-act layers (`BatchNormAct2d`, a BatchNorm2d subclass used by EfficientNet, RegNet, ...) apply dropout and
-# an activation after normalising: a conversion that dropped them would silently change the network.
-def _is_norm_act(bn)->bool: return isinstance(getattr(bn, 'act', None), nn.Module) and isinstance(getattr(bn, 'drop', None), nn.Module)
-def _keep_act(bn, new):
-    if _is_norm_act(bn): new.drop,new.act = bn.drop,bn.act
+    def restore_buffers(self):
+        "Put back the buffers of a forward that raised between the two hooks"
+        for l,s in enumerate(self.stash):
+            if s is not None:
+                b = self.bns[l]._buffers; b['running_mean'],b['running_var'],b['num_batches_tracked'] = s; self.stash[l] = None
 
-class _NormAct:
-    "Normalise, then the dropout and activation the converted timm norm-act layer carried (same state-dict keys)"
-    def forward(self, x): return self.act(self.drop(super().forward(x)))
+    @torch.no_grad()
+    def close(self, stepped:bool):
+        "The window is over: one running-statistics update per layer if it stepped, none if not; the slots are cleared"
+        self.end_micro(False)
+        J = max(self.used, default=0)
+        if J and stepped: self._apply(J)
+        if J: self.S[:J].zero_()
+        self.used,self.counts = [0]*len(self.bns),[[] for _ in self.bns]
 
-class BatchRenorm1d(BatchRenorm, nn.BatchNorm1d):
-    "`BatchRenorm` for (N,C) or (N,C,L) input; an `nn.BatchNorm1d` to fastai"
-    def _check_input_dim(self, x): nn.BatchNorm1d._check_input_dim(self, x)
-class BatchRenorm2d(BatchRenorm, nn.BatchNorm2d):
-    "`BatchRenorm` for (N,C,H,W) input; an `nn.BatchNorm2d` to fastai"
-    def _check_input_dim(self, x): nn.BatchNorm2d._check_input_dim(self, x)
-class BatchRenorm3d(BatchRenorm, nn.BatchNorm3d):
-    "`BatchRenorm` for (N,C,D,H,W) input; an `nn.BatchNorm3d` to fastai"
-    def _check_input_dim(self, x): nn.BatchNorm3d._check_input_dim(self, x)
+    def _apply(self, J:int):
+        L = len(self.bns)
+        # host side, one (J+1, L) table: item counts per slot and layer, then each layer's lerp weight. A layer with no
+        # forward in the window gets a fake count of 2 on its zero slot 0 (finite pooled statistics) and weight 0
+        n = [[0.]*L for _ in range(J+1)]
+        for l,cs in enumerate(self.counts):
+            if not cs: n[0][l] = 2.; continue
+            for j,c in enumerate(cs): n[j][l] = float(c)
+            m = self.momenta[l]
+            if m is None: self.nbt_host[l] += 1; m = 1/self.nbt_host[l]
+            n[J][l] = m
+        host = torch.tensor(n, dtype=torch.float64)
+        if self._pin:
+            if self._event is not None: self._event.synchronize()   # the last window's copy (long done) read the buffer
+            if self._host is None or self._host.shape != host.shape: self._host = torch.empty_like(host).pin_memory()
+            self._host.copy_(host); host = self._host
+        table = host.to(self.device, non_blocking=True).index_select(1, self.chan_layer)   # (J+1, channels)
+        if self._pin: self._event = torch.cuda.Event(); self._event.record()
+        st = self.S[:J].double()   # (J, 2, channels)
+        mean,var = pooled_mean_var(table[:J], st[:,0], st[:,1])
+        rms,rvs = [bn.running_mean for bn in self.bns],[bn.running_var for bn in self.bns]
+        new = torch.cat(rms + rvs).view(2, -1).double().lerp_(torch.stack([mean, var]), table[J]).to(self.dtype)
+        torch._foreach_copy_(rms + rvs, list(new.view(-1).split(self.sizes*2)))
+        called = [bn.num_batches_tracked for bn,c in zip(self.bns, self.counts) if c and bn.num_batches_tracked is not None]
+        if called: torch._foreach_add_(called, 1)
 
-class GroupNormAct(_NormAct, nn.GroupNorm): "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer"
-class BatchRenormAct(_NormAct, BatchRenorm): "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
-class BatchRenormAct2d(_NormAct, BatchRenorm2d): "`BatchRenorm2d` followed by the `drop` and `act` of a converted timm norm-act layer"
+# -- modes: what BatchNormAccumulation does at the start of fit, per micro-batch, per window and at the end -----------
+class _Mode:
+    needs_windows = False   # reads GradientAccumulation's windows
+    def __init__(self, cb): self.cb = cb
+    def start(self, bns): pass
+    def micro_undone(self): pass   # micro_bs='auto' undid a micro-batch that ran out of memory
+    def before_train(self): pass
+    def before_batch(self): pass
+    def after_backward(self): pass
+    def window_closed(self, stepped:bool): pass
+    def restore(self): pass
 
-def _renorm_cls(bn):
-    "The BatchRenorm class that replaces `bn`: the same BatchNorm dimension, so fastai's type checks still match"
-    act = _is_norm_act(bn)
-    if isinstance(bn, nn.BatchNorm2d): return BatchRenormAct2d if act else BatchRenorm2d
-    if act: return BatchRenormAct
-    if isinstance(bn, nn.BatchNorm1d): return BatchRenorm1d
-    if isinstance(bn, nn.BatchNorm3d): return BatchRenorm3d
-    return BatchRenorm   # SyncBatchNorm and other _BatchNorm subclasses: any dimension
+class Pool(_Mode):
+    "'pool': one running-statistics update per optimizer step, from every micro-batch of the window (`PooledStats`)"
+    needs_windows = True
+    def start(self, bns):
+        bns = [bn for bn in bns if bn.running_mean is not None]   # no running statistics to pool
+        self.saved = [(bn, bn.momentum) for bn in bns]
+        self.banks,self.handles = [],[]
+        groups = {}
+        for bn in bns: groups.setdefault((bn.running_mean.device, bn.running_mean.dtype), []).append(bn)
+        cap = self.cb.ga.window_n_step
+        for g in groups.values():
+            bank = PooledStats(g, [bn.momentum for bn in g], cap)
+            for l,bn in enumerate(g):
+                pre,post = bank.hooks(l)
+                self.handles += [bn.register_forward_pre_hook(pre), bn.register_forward_hook(post)]
+            self.banks.append(bank)
+        for bn in bns: bn.momentum = 1.   # the forward writes exactly that micro-batch's mean and unbiased variance
+    def before_batch(self):
+        for b in self.banks: b.end_micro(False)   # statistics of a micro-batch cancelled before its backward
+    def after_backward(self):
+        counted = self.cb.ga.window.counted   # another callback may have cancelled the backward: then nothing pools
+        for b in self.banks: b.end_micro(counted)
+    def window_closed(self, stepped:bool):
+        for b in self.banks: b.close(stepped)
+    def micro_undone(self):
+        for b in self.banks: b.restore_buffers(); b.end_micro(False)
+    def restore(self):
+        for h in getattr(self, 'handles', ()): h.remove()
+        for b in getattr(self, 'banks', ()): b.restore_buffers()
+        for bn,m in getattr(self, 'saved', ()): bn.momentum = m
+        self.handles,self.banks,self.saved = [],[],[]
 
-def bn_to_batchrenorm(
-    module:nn.Module, # a model (or a single BatchNorm layer)
-    r_max:float=3., # largest std correction once ramped
-    d_max:float=5., # largest mean correction once ramped
-    warmup:int=0, # training forwards as plain BatchNorm first
-    ramp:int=5000, # training forwards over which the limits then grow from 1, 0 to `r_max`, `d_max`
-)->nn.Module:
-    """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `BatchRenorm`, in place, and return the root (a
-    new module only when `module` itself is a BatchNorm). The new layers reuse the BatchNorm's `weight`/`bias`
-    Parameter objects and its running-statistics buffers (pretrained statistics are kept, so the model's eval output
-    is unchanged) and keep eps, momentum, `training`, device and dtype.
+class Momentum(_Mode):
+    "'momentum': each BatchNorm momentum m becomes `accumulated_momentum(m, k)`, k micro-batches per window"
+    needs_windows = True
+    def start(self, bns): self.saved,self.k = [(bn, bn.momentum) for bn in bns if bn.momentum is not None],None
+    def before_batch(self):
+        ga = self.cb.ga
+        if not (self.saved and ga.window_start): return
+        k = ga.window_n_step
+        if k != self.k:
+            self.k = k
+            for bn,m in self.saved: bn.momentum = accumulated_momentum(m, k)
+    def restore(self):
+        for bn,m in getattr(self, 'saved', ()): bn.momentum = m
+        self.saved = []
 
-    >>> import torch
-    >>> from torchvision.models import resnet18
-    >>> m = resnet18(weights=None).eval(); x = torch.randn(2, 3, 32, 32); y = m(x)
-    >>> m = bn_to_batchrenorm(m, r_max=3., d_max=5., ramp=1000)
-    >>> torch.equal(m(x), y), type(m.bn1).__name__
-    (True, 'BatchRenorm')
-    """
-    kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
-    BatchRenorm(1, **kw)   # validate before touching the model
-    def fn(bn, name):
-        new = _renorm_cls(bn)(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
-        if bn.affine: new.weight,new.bias = bn.weight,bn.bias
-        _keep_act(bn, new)
-        new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked
-        return new.train(bn.training)
-    return _convert(module, fn)
+class Freeze(_Mode):
+    "'freeze': BatchNorm layers normalise with their running statistics in training too"
+    def start(self, bns):
+        self.frozen,self.saved_rg = bns,[]
+        if not self.cb.train_affine:
+            ps = [p for bn in bns for p in (bn.weight, bn.bias) if p is not None]
+            self.saved_rg = [(p, p.requires_grad) for p in ps]
+            for p in ps: p.requires_grad_(False)
+        if any(bn.running_mean is None for bn in bns):
+            warnings.warn("BatchNormAccumulation('freeze'): BatchNorm layers with track_running_stats=False have no "
+                          "running statistics and keep normalising with batch statistics", stacklevel=4)
+    def before_train(self):
+        for bn in self.frozen: bn.eval()   # after `TrainEvalCallback` put the whole model in train mode
+    def restore(self):
+        for p,rg in getattr(self, 'saved_rg', ()): p.requires_grad_(rg)
+        # the mode the training loop left the model in (eval after validation), as it would be without this callback
+        model = getattr(self.cb.learn, 'model', None)
+        for bn in getattr(self, 'frozen', ()): bn.train(model.training if model is not None else bn.training)
+        self.frozen,self.saved_rg = [],[]
+
+class _Convert(_Mode):
+    "Replace the BatchNorm layers at the start of fit (the Parameter objects are kept: the optimizer keeps working)"
+    def convert(self, model): raise NotImplementedError
+    def start(self, bns):
+        new = self.convert(self.cb.model)
+        if new is not self.cb.model: self.cb.learn.model = new   # the root itself was a BatchNorm
+
+class GroupNorm(_Convert):
+    "'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`)"
+    def convert(self, model): return bn_to_groupnorm(model, self.cb.num_groups)
+
+class Renorm(_Convert):
+    "'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`)"
+    def convert(self, model):
+        c = self.cb
+        return bn_to_batchrenorm(model, r_max=c.r_max, d_max=c.d_max, warmup=c.warmup, ramp=c.ramp)
+
+MODES = dict(pool=Pool, momentum=Momentum, freeze=Freeze, groupnorm=GroupNorm, renorm=Renorm)
+assert tuple(MODES) == BN_MODES
 
 # -- the callback -----------------------------------------------------------------------------------------------------
 class BatchNormAccumulation(Callback):
-    """Make BatchNorm behave under gradient accumulation. `mode`:
+    """Make BatchNorm behave under gradient accumulation. `mode` (one of `BN_MODES`):
     'pool': one running-statistics update per optimizer step, from the statistics pooled over every micro-batch of the
       window: the running statistics one large batch of the same samples leaves. The forward still normalises each
       micro-batch with its own statistics (ghost batch norm). A window that is not stepped (dropped, skipped as
@@ -256,8 +282,7 @@ class BatchNormAccumulation(Callback):
         if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
         _whole(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
         store_attr()
-        self._saved_mom,self._saved_rg,self._hooks = [],[],[]
-        self._frozen,self._pend,self._win,self._stash,self._warned = [],[],[],{},False
+        self.ga,self.active,self._warned = None,None,False
 
     # -- fit --------------------------------------------------------------------------------------------------------
     def before_fit(self):
@@ -265,22 +290,25 @@ class BatchNormAccumulation(Callback):
         # no raise there (a raise would leave the lock held); everything happens when training starts
         if in_inference(self.learn): return
         self._restore()   # whatever an interrupted fit left behind
-        self._ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
-        if self._ga is None and self.mode in _NEEDS_GA:
+        mode = MODES[self.mode]
+        self.ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
+        if self.ga is None and mode.needs_windows:
             other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)
             raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "
                              "`accum_callback.GradientAccumulation`, which is not in this fit" +
                              (" (fastai's `fastai.callback.training.GradientAccumulation` is, and has no windows to read)" if other else "") +
                              ": add `accum_callback.GradientAccumulation(n_step=...)` to the Learner's callbacks or to this "
                              "`fit(cbs=...)`, or call `learn.accumulate(...)`")
-        bns = [m for m in self.model.modules() if _is_bn(m)]
-        if self.mode in ('groupnorm', 'renorm'):
-            if bns: self._convert()
-            elif not any(getattr(m, '_from_bn', False) or isinstance(m, BatchRenorm) for m in self.model.modules()): self._warn_none()
+        bns = [m for m in self.model.modules() if is_batchnorm(m)]
+        if issubclass(mode, _Convert):
+            if bns: mode(self).start(bns)
+            elif not any(is_converted_norm(m) for m in self.model.modules()): self._warn_none()
             self._tag_norm_params()
             return
         if not bns: return self._warn_none()
-        getattr(self, f'_start_{self.mode}')(bns)
+        self.active = mode(self)
+        self.active.start(bns)
+        if mode.needs_windows: self.ga.on_window_close(self._window_closed); self.ga.on_micro_undo(self._micro_undone)
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
     def after_fit(self):
@@ -293,119 +321,30 @@ class BatchNormAccumulation(Callback):
 
     def _restore(self):
         "Put back momentum, train/eval mode and requires_grad, remove the hooks and forget any window"
-        for h in self._hooks: h.remove()
-        for bn,m in self._saved_mom: bn.momentum = m
-        for bn,(rm,rv,_) in self._stash.items(): bn.running_mean,bn.running_var = rm,rv   # a forward raised in between
-        for p,rg in self._saved_rg: p.requires_grad_(rg)
-        # the mode the training loop left the model in (eval after validation), as it would be without this callback
-        for bn in self._frozen: bn.train(getattr(self.learn, 'model', bn).training)
-        self._hooks,self._saved_mom,self._saved_rg,self._frozen = [],[],[],[]
-        if getattr(self, '_ga', None) is not None: self._ga.remove_window_listener(self._window_closed)
-        self._pend.clear(); self._win.clear(); self._stash.clear()
+        if self.active is not None: self.active.restore()
+        self.active = None
+        if self.ga is not None: self.ga.remove_window_listener(self._window_closed); self.ga.remove_undo_listener(self._micro_undone)
         remove_fit_guard(self.learn, 'batch_norm_accumulation')
-
-    # -- 'pool' -----------------------------------------------------------------------------------------------------
-    def _start_pool(self, bns):
-        for bn in bns:
-            if bn.running_mean is None: continue   # no running statistics to pool
-            self._saved_mom.append((bn, bn.momentum))
-            bn.momentum = 1.   # after a forward the buffers hold exactly that batch's mean and unbiased variance
-            self._hooks += [bn.register_forward_pre_hook(self._pre_hook), bn.register_forward_hook(self._post_hook)]
-        self._mom = dict(self._saved_mom)
-        self._ga.on_window_close(self._window_closed)
-
-    # Autograd saves the running buffers a BatchNorm forward used: they must not change in place until the backward.
-    # So each training forward gets fresh zero buffers (one (2,C) tensor) to write its statistics into; the real ones
-    # are put back after. The buffer dict is used directly: `Module.__setattr__` costs more than the rest of the hook.
-    def _pre_hook(self, bn, inp):
-        if not (bn.training and bn.track_running_stats): return
-        b = bn._buffers; rm = b['running_mean']
-        z = rm.new_zeros(2, rm.shape[0])
-        self._stash[bn] = (rm, b['running_var'], z)
-        b['running_mean'],b['running_var'] = z[0],z[1]
-
-    def _post_hook(self, bn, inp, out):
-        s = self._stash.pop(bn, None)
-        if s is None: return
-        b = bn._buffers
-        b['running_mean'],b['running_var'] = s[0],s[1]
-        n = inp[0].numel()//bn.num_features
-        # SyncBatchNorm wrote statistics over every rank's micro-batch: count them all (ranks of equal micro-batch size)
-        if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized(): n *= dist.get_world_size(bn.process_group)
-        self._pend.append((bn, n, s[2]))
-        if b['num_batches_tracked'] is not None: b['num_batches_tracked'].sub_(1)
-
-    # -- 'momentum' -------------------------------------------------------------------------------------------------
-    def _start_momentum(self, bns):
-        self._saved_mom,self._k = [(bn, bn.momentum) for bn in bns if bn.momentum is not None],None
-
-    # -- 'freeze' ---------------------------------------------------------------------------------------------------
-    def _start_freeze(self, bns):
-        self._frozen = bns
-        if not self.train_affine:
-            ps = [p for bn in bns for p in (bn.weight, bn.bias) if p is not None]
-            self._saved_rg = [(p, p.requires_grad) for p in ps]
-            for p in ps: p.requires_grad_(False)
-        if any(bn.running_mean is None for bn in bns):
-            warnings.warn("BatchNormAccumulation('freeze'): BatchNorm layers with track_running_stats=False have no "
-                          "running statistics and keep normalising with batch statistics", stacklevel=3)
-
-    def before_train(self):
-        for bn in self._frozen: bn.eval()   # after `TrainEvalCallback` put the whole model in train mode
-
-    # -- 'groupnorm' / 'renorm' -------------------------------------------------------------------------------------
-    def _convert(self):
-        if self.mode == 'groupnorm': new = bn_to_groupnorm(self.model, self.num_groups)
-        else: new = bn_to_batchrenorm(self.model, r_max=self.r_max, d_max=self.d_max, warmup=self.warmup, ramp=self.ramp)
-        if new is not self.model: self.learn.model = new   # the root itself was a BatchNorm
-        # the Parameter objects are the BatchNorm's own, so the optimizer built at the start of `fit` keeps working
 
     def _tag_norm_params(self):
         "fastai picks BatchNorm parameters by type for `train_bn`/`wd_bn_bias`: give converted layers the same treatment"
         opt = getattr(self.learn, 'opt', None)
         if opt is None: return
-        ps = {id(p) for m in self.model.modules() if getattr(m, '_from_bn', False) or isinstance(m, BatchRenorm)
-              for p in m.parameters()}
+        ps = {id(p) for m in self.model.modules() if is_converted_norm(m) for p in m.parameters()}
         for p,_,state,_ in opt.all_params():
             if id(p) not in ps: continue
             if not getattr(self.learn, 'wd_bn_bias', False): state['do_wd'] = False
             if getattr(self.learn, 'train_bn', True) and not state.get('force_train'): state['force_train'] = True; p.requires_grad_(True)
 
-    # -- batch ------------------------------------------------------------------------------------------------------
+    # -- events -----------------------------------------------------------------------------------------------------
+    def before_train(self):
+        if self.active is not None: self.active.before_train()
     def before_batch(self):
-        if self.mode == 'pool': self._pend.clear()   # statistics of a micro-batch cancelled before its backward
-        elif self.mode == 'momentum' and self._saved_mom and self._ga.window_start:
-            k = self._ga.window_n_step
-            if k != self._k:
-                self._k = k
-                for bn,m in self._saved_mom: bn.momentum = accumulated_momentum(m, k)
-
+        if self.active is not None: self.active.before_batch()
     def after_backward(self):
-        # the micro-batch is part of the window now, if GradientAccumulation counted it (another callback may have
-        # cancelled its backward: then its statistics are not pooled)
-        if self._pend:
-            if self._ga.window.counted: self._win.extend(self._pend)
-            self._pend.clear()
-
+        if self.active is not None: self.active.after_backward()
     def _window_closed(self, stepped:bool):
-        "GradientAccumulation closed the window: one running-statistics update if it stepped, none if not"
-        if self._win and stepped: self._apply()
-        self._win.clear()
-
-    @torch.no_grad()
-    def _apply(self):
-        "One running-statistics update per layer from the window's pooled mean and unbiased variance"
-        by_bn = {}
-        for bn,n,z in self._win: by_bn.setdefault(bn, []).append((n, z))
-        for bn,recs in by_bn.items():
-            rm,rv,nbt = bn.running_mean,bn.running_var,bn.num_batches_tracked
-            tot = sum(n for n,_ in recs)
-            n = torch.tensor([n for n,_ in recs], dtype=torch.float64, device=rm.device)
-            st = torch.stack([z for _,z in recs]).double()   # (micro-batches, mean/var, C)
-            mean = (n @ st[:,0])/tot
-            # Chan et al.: within-micro-batch sums of squares plus the spread of the micro-batch means
-            var = ((n-1) @ st[:,1] + n @ (st[:,0]-mean).square_())/(tot-1)
-            if nbt is not None: nbt.add_(1)
-            m = self._mom[bn]
-            f = 1/float(nbt) if m is None else m
-            rm.copy_(rm.double().lerp_(mean, f)); rv.copy_(rv.double().lerp_(var, f))
+        "GradientAccumulation closed the window: stepped, or dropped/skipped/cancelled"
+        if self.active is not None: self.active.window_closed(stepped)
+    def _micro_undone(self):
+        if self.active is not None: self.active.micro_undone()

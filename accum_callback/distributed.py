@@ -1,12 +1,42 @@
-"Check how often DDP all-reduces gradients (one round per optimizer step under `GradientAccumulation`), and run fastai's DDP path on CPU"
+"""Accumulation under DDP: the no_sync rule (only the micro-batch that steps all-reduces), window totals summed over
+ranks, SyncBatchNorm's global counts; `count_allreduces` to check the rule, and fastai's DDP path on CPU (gloo)"""
 import contextlib
 
-import torch
+import torch, torch.nn as nn
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ['AllReduceCounter', 'count_allreduces', 'gloo_distributed_dl']
+__all__ = ['is_ddp', 'world_size', 'enter_no_sync', 'sum_over_ranks', 'sync_batchnorm_world', 'AllReduceCounter',
+           'count_allreduces', 'gloo_distributed_dl']
+
+def is_ddp(model)->bool: return isinstance(model, DistributedDataParallel)
+
+def world_size(model)->int: "Ranks a DDP `model` averages its gradients over (1 when not DDP)"; return dist.get_world_size() if is_ddp(model) else 1
+
+def enter_no_sync(model):
+    """Enter `model.no_sync()` (a micro-batch that does not step accumulates locally, without an all-reduce) and return
+    the open context for `exit_no_sync`; None when `model` is not DDP"""
+    if not is_ddp(model): return None
+    ctx = model.no_sync(); ctx.__enter__()
+    return ctx
+
+def exit_no_sync(ctx):
+    if ctx is not None: ctx.__exit__(None, None, None)
+
+def sum_over_ranks(values:list, model)->list:
+    """`values` (numbers or 0-d tensors) summed over the ranks of a DDP `model`, as floats: one float64 all-reduce (one
+    host synchronisation). Without DDP, on the CPU (MPS has no float64)."""
+    dev = next(model.parameters()).device if is_ddp(model) else 'cpu'
+    vals = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(dev) for v in values])
+    if is_ddp(model): dist.all_reduce(vals)
+    return vals.tolist()
+
+def sync_batchnorm_world(bn)->int:
+    """How many ranks' micro-batches a layer's batch statistics cover: the process group's size for a `SyncBatchNorm`
+    in a running process group (ranks of equal micro-batch size), else 1"""
+    if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized(): return dist.get_world_size(bn.process_group)
+    return 1
 
 class AllReduceCounter:
     "State of `count_allreduces`' communication hook: one entry per bucket all-reduce, a round per synchronised backward"

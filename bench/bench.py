@@ -9,112 +9,21 @@ round by round (the order rotates every round, after one warm-up round) and quot
 ± 1.4826 x their median absolute deviation. Memory: each configuration trains in a fresh process forked before this one
 has run any tensor op, which reports the peak RSS it adds over its own baseline taken after model and data exist
 (Linux `/proc/self/clear_refs` peak reset + `VmHWM`); on CUDA, `torch.cuda.max_memory_allocated` over the baseline."""
-import argparse, datetime, multiprocessing, os, platform, shlex, socket, statistics, sys, tempfile, time, warnings
+import argparse, datetime, multiprocessing, os, shlex, sys, time, warnings
 from functools import partial
 
 warnings.filterwarnings('ignore')
-import torch, torch.nn as nn, torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # `common`, `ddp_bench` beside this script
+import torch
 import torch._dynamo   # noqa: F401  torch.optim imports it on first use (seconds): once here, before the forks
-from torch.utils.data import TensorDataset
-from torch.utils.data import DataLoader as TorchDataLoader
-import fastai
-from fastai.callback.core import Callback
 from fastai.callback.training import GradientAccumulation as FastaiGA
-from fastai.data.core import DataLoaders
-from fastai.data.load import DataLoader
-from fastai.learner import Learner
-from fastai.optimizer import OptimWrapper
 
-from accum_callback import GradientAccumulation
-
-LR,MOM = 0.01,0.9
-BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
+from accum_callback import GradientAccumulation, BatchNormAccumulation
+from common import *
+from common import BN_MODES, LR, MOM
 SIZES = dict(  # b: micro-batch, k: micro-batches per window, windows per epoch, px: image side, width: first conv channels
     default=dict(b=16, k=8, windows=4, px=32, width=32, mem_windows=2, ddp=dict(b=16, k=8, steps=4, hidden=2048)),
     quick  =dict(b=4,  k=4, windows=2, px=16, width=8,  mem_windows=1, ddp=dict(b=4,  k=4, steps=1, hidden=64)))
-
-# -- model, data, learners ------------------------------------------------------------------------------------------
-def conv_net(width=16, n_out=10, seed=0):
-    "A small BatchNorm conv net: compute (convolutions) dominates the per-batch Python overhead"
-    torch.manual_seed(seed)
-    def blk(ni, nf, stride): return nn.Sequential(nn.Conv2d(ni, nf, 3, stride, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU())
-    w = width
-    return nn.Sequential(blk(3, w, 1), blk(w, 2*w, 2), blk(2*w, 4*w, 2), blk(4*w, 4*w, 2),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4*w, n_out))
-
-def images(n, px, seed=0, n_out=10):
-    g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 3, px, px, generator=g), torch.randint(0, n_out, (n,), generator=g))
-
-def opt_func(params, lr=LR, **kw): return OptimWrapper(params, torch.optim.SGD, lr=lr, momentum=MOM)
-
-class TrainTimer(Callback):
-    "Wall time of each epoch's training phase (validation excluded)"
-    def before_fit(self): self.times = []
-    def before_train(self): self.t0 = time.perf_counter()
-    def after_train(self): self.times.append(time.perf_counter()-self.t0)
-
-def learner(model, ds, bs, cbs=(), device=None):
-    "A quiet Learner over `ds` (one micro-batch of validation), torch's SGD through `OptimWrapper` like the hand loop"
-    valid = TensorDataset(*[t[:bs] for t in ds.tensors])
-    dls = DataLoaders(DataLoader(ds, bs=bs, shuffle=False), DataLoader(valid, bs=bs), device=device or 'cpu')
-    learn = Learner(dls, model, loss_func=F.cross_entropy, opt_func=opt_func, lr=LR, cbs=[TrainTimer(), *cbs])
-    learn.recorder.train_metrics = False
-    return learn
-
-def fit_time(learn)->float:
-    with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    return learn.train_timer.times[-1]
-
-def hand_loop(model, ds, b, k, device='cpu', amp=False):
-    """The classic forum answer: loss/n_acc; backward; step + zero_grad every n_acc micro-batches. On a GPU with `amp`:
-    fp16 autocast + GradScaler, the batches moved to `device` (on the CPU those are no-ops)"""
-    device = torch.device(device)
-    opt,dl = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOM),TorchDataLoader(ds, batch_size=b, shuffle=False)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    def run():
-        _sync(device); t0 = time.perf_counter()
-        model.train(); opt.zero_grad()
-        for i,(x,y) in enumerate(dl):
-            x,y = x.to(device, non_blocking=True),y.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.float16, enabled=amp): loss = F.cross_entropy(model(x), y)/k
-            scaler.scale(loss).backward()
-            if (i+1) % k == 0: scaler.step(opt); scaler.update(); opt.zero_grad()
-        _sync(device)
-        return time.perf_counter()-t0
-    return run
-
-def _sync(device):
-    if torch.device(device).type == 'cuda': torch.cuda.synchronize()
-
-# -- statistics and table rows ----------------------------------------------------------------------------------------
-def rounds(contenders:dict, repeats:int, warmup=True)->tuple[dict,dict]:
-    "Time every contender once per round, rotating the order; a warm-up round is dropped. Returns times and errors"
-    names,out,errs = list(contenders),{n:[] for n in contenders},{}
-    for r in range(repeats+warmup):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            if n in errs: continue
-            try: t = contenders[n]()
-            except Exception as e: errs[n] = f'error: {type(e).__name__}: {str(e)[:150]}'; continue
-            if r or not warmup: out[n].append(t)
-    return out,errs
-
-def summary(xs):
-    "Median and a robust spread (1.4826 x median absolute deviation; 0 with one value)"
-    m = statistics.median(xs)
-    return m, 1.4826*statistics.median(abs(x-m) for x in xs) if len(xs) > 1 else 0.
-
-def verdict(r, noise, goal, le=True)->str:
-    if r is None: return '—'
-    if (r <= goal) if le else (r >= goal): return 'yes'
-    return 'within noise' if ((r-noise <= goal) if le else (r+noise >= goal)) else 'no'
-
-def time_row(measure, num, den, goal):
-    "A row from paired per-round ratios num[i]/den[i]"
-    r,noise = summary([a/b for a,b in zip(num, den)])
-    return [measure, f'{r:.3f} ± {noise:.3f}', f'<= {goal:.2f}', verdict(r, noise, goal)]
-
-def na_row(measure, goal, why): return [measure, why, goal, '—']
 
 # -- 1. time per epoch: ours / fastai's / a hand-written loop -------------------------------------------------------
 def speed_section(sz, repeats, warmup):
@@ -200,9 +109,6 @@ def memory_section(sz):
 # -- 3. BatchNormAccumulation modes / plain accumulation ------------------------------------------------------------
 def bn_section(sz, repeats, warmup):
     goals = dict(pool=1.03)
-    try: from accum_callback.batchnorm import BatchNormAccumulation
-    except ImportError: return [na_row(f"time/epoch: `BatchNormAccumulation('{m}')` / plain accumulation",
-                                       f"<= {goals.get(m, 1.03):.2f}", 'n/a (not installed)') for m in BN_MODES], {}
     b,k = sz['b'],sz['k']
     ds,rows = images(b*k*sz['windows'], sz['px']),[]
     def make(cbs): return partial(fit_time, learner(conv_net(sz['width']), ds, b, [GradientAccumulation(k), *cbs]))
@@ -216,45 +122,77 @@ def bn_section(sz, repeats, warmup):
     return rows, {f'BN {n} s/epoch': summary(v) for n,v in t.items() if v}
 
 # -- 4. DDP, 2 CPU processes over gloo: all-reduces and time with and without `no_sync` (bench/ddp_bench.py's runs) --
-def _free_port():
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
-def _ddp_worker(rank, world, port, dd, repeats, warmup, out):
-    import torch.distributed as dist
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+def _ddp_runs(rank, world, dd, repeats, warmup):
+    """`ddp_bench.run`: one fit of an MLP under `GradientAccumulation`, as shipped ('no_sync') or with a DDP whose
+    `no_sync` does nothing ('sync_every'); all-reduce rounds counted by a communication hook, wall = slower rank"""
     import ddp_bench
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        # `ddp_bench.run`: one fit of an MLP under `GradientAccumulation`, as shipped ('no_sync') or with a DDP whose
-        # `no_sync` does nothing ('sync_every'); all-reduce rounds counted by a communication hook, wall = slower rank
-        res = {v: [] for v in ('no_sync', 'sync_every')}
-        if warmup: ddp_bench.run(rank, world, dd['k'], dd['b'], 1, dd['hidden'], 'no_sync')
-        for r in range(repeats):
-            for v in (list(res) if r % 2 == 0 else list(res)[::-1]):
-                res[v].append(ddp_bench.run(rank, world, dd['k'], dd['b'], dd['steps'], dd['hidden'], v))
-        if rank == 0: torch.save(res, out)
-    finally: dist.destroy_process_group()
+    res = {v: [] for v in ('no_sync', 'sync_every')}
+    if warmup: ddp_bench.run(rank, world, dd['k'], dd['b'], 1, dd['hidden'], 'no_sync')
+    for r in range(repeats):
+        for v in (list(res) if r % 2 == 0 else list(res)[::-1]):
+            res[v].append(ddp_bench.run(rank, world, dd['k'], dd['b'], dd['steps'], dd['hidden'], v))
+    return res
 
 def ddp_section(dd, repeats, warmup):
     k = dd['k']
     names = (f'DDP all-reduce rounds/epoch: with `no_sync` / without, k={k}', 'DDP time/epoch: with `no_sync` / without')
-    ctx = multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
-    with tempfile.TemporaryDirectory() as d:
-        out,port = os.path.join(d, 'ddp.pt'),_free_port()
-        ps = [ctx.Process(target=_ddp_worker, args=(r, 2, port, dd, repeats, warmup, out)) for r in range(2)]
-        for p in ps: p.start()
-        for p in ps: p.join(600)
-        if not os.path.exists(out):
-            return [na_row(names[0], f'= 1/{k}', 'error: DDP workers failed'), na_row(names[1], '<= 1.00', 'error')], {}, 'failed'
-        res = torch.load(out, weights_only=False)
+    res = launch_gloo(_ddp_runs, 2, (dd, repeats, warmup))
+    if res is None:
+        return [na_row(names[0], f'= 1/{k}', 'error: DDP workers failed'), na_row(names[1], '<= 1.00', 'error')], {}, 'failed'
+
     a,b = res['no_sync'],res['sync_every']
     r = a[0]['rounds']/b[0]['rounds']
     rows = [[names[0], f"{a[0]['rounds']}/{b[0]['rounds']} = {r:.3f}", f'= 1/{k} = {1/k:.3f}', verdict(abs(r-1/k), 0, 1e-9)],
             time_row(names[1], [x['wall'] for x in a], [x['wall'] for x in b], 1.00)]
     note = f"{a[0]['params']/1e6:.2f}M-parameter MLP, micro-batch {dd['b']} per rank, {a[0]['steps']} steps per fit"
     return rows, {f'DDP {n} s/fit': summary([x['wall'] for x in v]) for n,v in res.items()}, note
+
+# -- 4b. compute ops each BatchNorm mode adds per micro-batch (CPU, whole fits, exact counts: no timing) -------------
+class OpCounter:
+    "Counts the aten compute ops dispatched while open (a `TorchDispatchMode`); view ops excluded (they launch no kernel)"
+    def __init__(self): self.n,self.by_op = 0,{}
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not func.is_view:
+                    counter.n += 1; name = str(func.overloadpacket); counter.by_op[name] = counter.by_op.get(name, 0)+1
+                return func(*args, **(kwargs or {}))
+        self._mode = _Mode(); self._mode.__enter__(); return self
+    def __exit__(self, *exc): self._mode.__exit__(*exc)
+
+OP_GOALS = dict(pool=24, momentum=24)   # extra compute ops per micro-batch, resnet50 (issue 14)
+
+def op_counts(arch='resnet50', px=32, b=2, k=4, windows=2, modes=BN_MODES)->dict:
+    """Compute ops per micro-batch of a whole `fit(1)` with plain accumulation, and what each BatchNorm mode adds,
+    counted on the CPU: `{'plain': ops, mode: extra ops, 'n_bn': BatchNorm layers}`"""
+    import torchvision
+    ds = images(b*k*windows, px)
+    def count(cbs):
+        torch.manual_seed(0)
+        learn = learner(torchvision.models.get_model(arch, num_classes=10), ds, b, [GradientAccumulation(k), *cbs])
+        with OpCounter() as c: fit_time(learn)
+        return c.n/(k*windows)
+    plain = count([])
+    n_bn = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in torchvision.models.get_model(arch).modules())
+    return dict(plain=plain, n_bn=n_bn, **{m: count([BatchNormAccumulation(m)]) - plain for m in modes})
+
+def op_section(quick=False):
+    archs = ('resnet18',) if quick else ('resnet18', 'resnet50')
+    got = {a: op_counts(a, px=16 if quick else 32, k=2 if quick else 4, windows=1 if quick else 2) for a in archs}
+    rows = []
+    for a,c in got.items():
+        for m in BN_MODES:
+            goal = OP_GOALS.get(m)
+            name = f"ops/micro-batch added by `BatchNormAccumulation('{m}')`, {a} ({c['n_bn']} BN layers; plain {c['plain']:.0f})"
+            if goal is None: rows.append([name, f"{c[m]:+.1f} ({c[m]/c['n_bn']:+.1f} per BN layer)", 'info', '—'])
+            else: rows.append([name, f'{c[m]:+.1f}', f'<= {goal}', verdict(c[m], 0, goal)])
+    if len(got) == 2:
+        d = max(abs(got['resnet50'][m]-got['resnet18'][m]) for m in OP_GOALS)
+        rows.append(["ops/micro-batch added by 'pool'/'momentum': resnet50 - resnet18 (does not grow with the BN layers)",
+                     f'{d:.1f}', '<= 4', verdict(d, 0, 4)])
+    return rows, got
 
 # -- 5. CUDA: resnet18 / resnet50 at 224 px, micro-batch b x k against batch b*k (or the largest that fits) ----------
 CUDA_SIZES = dict(default=dict(arch='resnet50', px=224, b=32, k=8, windows=2), quick=dict(arch='resnet18', px=32, b=2, k=2, windows=1))
@@ -266,17 +204,18 @@ def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, r
     mode against plain accumulation. On a CPU `device` only the code path runs (fp32, memory n/a)."""
     import torchvision
     from fastai.callback.fp16 import MixedPrecision
-    from accum_callback import BatchNormAccumulation
     device = torch.device(device); cuda = device.type == 'cuda'
     ds = images(b*k*windows, px)
     def amp(): return [MixedPrecision()] if cuda else []   # one per Learner: a callback holds its Learner in `.learn`
-    def model(): torch.manual_seed(0); return torchvision.models.get_model(arch, num_classes=10).to(device)
-    def lrn(bs, cbs):
-        learn = learner(model(), ds, bs, cbs + amp(), device=device)
-        if cuda: learn.add_cb(_CudaSync())
+    def model(**kw): torch.manual_seed(0); return torchvision.models.get_model(arch, num_classes=10, **kw).to(device)
+    def lrn(bs, cbs, **kw):
+        learn = learner(model(**kw), ds, bs, cbs + amp(), device=device, prebatched=True)
+        if cuda: learn.add_cb(CudaSync())
         return learn
     learners = dict(ours=lrn(b, [GradientAccumulation(k)]), fastai=lrn(b, [FastaiGA(b*k)]), big=lrn(b*k, []),
-                    **{m: lrn(b, [GradientAccumulation(k), BatchNormAccumulation(m)]) for m in BN_MODES})
+                    **{m: lrn(b, [GradientAccumulation(k), BatchNormAccumulation(m)]) for m in BN_MODES},
+                    # the same architecture built with GroupNorm from the start (what 'groupnorm' converts to)
+                    native_gn=lrn(b, [GradientAccumulation(k)], norm_layer=lambda c: torch.nn.GroupNorm(32, c)))
     mem = {}
     for n,l in learners.items():   # the first (warm-up) fit of each, measured for memory
         if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
@@ -284,7 +223,7 @@ def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, r
         if cuda: torch.cuda.synchronize(); mem[n] = (torch.cuda.max_memory_allocated()-base)/2**20
     hand = model()
     contenders = {n: partial(fit_time, l) for n,l in learners.items()}
-    contenders['hand'] = hand_loop(hand, ds, b, k, device, amp=cuda)
+    contenders['hand'] = hand_loop(hand, ds, b, k, device, amp=cuda, prebatched=True)
     t,errs = rounds(contenders, repeats, warmup)
     label = f'{arch} {px}px{" fp16" if cuda else ""}, micro-batch {b} x {k}'
     def row(name, num, den, goal):
@@ -299,30 +238,11 @@ def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, r
                  '< 0.5', verdict(mem['ours']/mem['big'], 0, 0.5) if cuda else '—'])
     rows += [row(f"CUDA {label}: time/epoch `BatchNormAccumulation('{m}')` / plain accumulation", m, 'ours', CUDA_GOALS[m])
              for m in BN_MODES]
+    rows += [row(f"CUDA {label}: time/epoch 'groupnorm' (converted) / the model built with nn.GroupNorm", 'groupnorm', 'native_gn', 1.03),
+             row(f"CUDA {label}: time/epoch nn.GroupNorm model / BatchNorm model (GroupNorm's own cost)", 'native_gn', 'ours', None)]
     n_img = len(ds)
     raw = {f'{n}': (n_img/summary(v)[0] if v else float('nan'), mem.get(n, float('nan'))) for n,v in t.items()}
     return rows, raw
-
-class _CudaSync(Callback):
-    "Wait for the GPU at the end of the training phase, so `TrainTimer` times the work, not its launch"
-    order = -1
-    def after_train(self): torch.cuda.synchronize()
-
-# -- report ---------------------------------------------------------------------------------------------------------
-def machine()->str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as f: cpu = next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
-    except (OSError, StopIteration): pass
-    gpu = f', GPU {torch.cuda.get_device_name()}' if torch.cuda.is_available() else ''
-    load = f', load average {os.getloadavg()[0]:.2f} at start' if hasattr(os, 'getloadavg') else ''
-    return (f'{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{gpu}; torch {torch.__version__}, '
-            f'fastai {fastai.__version__}, Python {platform.python_version()}, {platform.system()}{load}')
-
-def _cell(c)->str: return ' '.join(str(c).split()).replace('|', '/')   # one line, no column break (error texts have both)
-
-def table(rows)->str:
-    return '\n'.join(['| measure | ratio | goal | met? |', '|---|---|---|---|'] + ['| ' + ' | '.join(map(_cell, r)) + ' |' for r in rows])
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -347,6 +267,7 @@ def main(argv=None):
     else: ddp_rows,ddp_raw,ddp_note = section('DDP', ddp_section, sz['ddp'], repeats, warmup)
     speed_rows,speed_raw = section('time', speed_section, sz, repeats, warmup)
     bn_rows,bn_raw = section('BatchNorm', bn_section, sz, repeats, warmup)
+    op_rows,op_raw = section('op counts', op_section, args.quick)
     if torch.cuda.is_available():
         cuda_rows,cuda_raw = section('CUDA', cuda_section, 'cuda', **CUDA_SIZES['quick' if args.quick else 'default'],
                                      repeats=repeats if args.quick else min(repeats, 3), warmup=warmup)
@@ -356,7 +277,7 @@ def main(argv=None):
     raw = {**speed_raw, **bn_raw, **ddp_raw}
     md = '\n'.join([
         f'## Benchmark ({started})', '',
-        table(speed_rows + mem_rows + bn_rows + ddp_rows + cuda_rows), '',
+        table(speed_rows + mem_rows + bn_rows + op_rows + ddp_rows + cuda_rows), '',
         f'- machine: {mach}',
         f'- command: `{cmd}`'
         f' ({time.perf_counter()-t0:.0f} s wall)',
@@ -371,6 +292,9 @@ def main(argv=None):
         f'- DDP: `bench/ddp_bench.py` runs, 2 CPU processes over gloo, 1 thread each, {ddp_note}; "without" = a DDP whose '
         '`no_sync` does nothing (every micro-batch all-reduces, as with fastai\'s callback); time = slower rank\'s fit',
         '- medians (s ± spread): ' + ', '.join(f'{n} {m:.3f} ± {s:.3f}' for n,(m,s) in raw.items()),
+        '- op counts: aten compute ops (view ops excluded) dispatched per micro-batch over a whole `fit(1)` on the CPU, '
+        f'torchvision models at {16 if args.quick else 32}px, micro-batch 2 x {2 if args.quick else 4}; plain: '
+        + ', '.join(f"{a} {c['plain']:.0f}" for a,c in op_raw.items()),
     ] + (['- CUDA ' + (torch.cuda.get_device_name() if torch.cuda.is_available() else '') + f', torch {torch.__version__}, '
           f'CUDA {torch.version.cuda} (images/s, peak MiB added by fit): ' + ', '.join(f'{n} {i:.0f} img/s, {m:.0f} MiB' for n,(i,m) in cuda_raw.items())]
          if cuda_raw else []))

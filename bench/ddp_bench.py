@@ -7,10 +7,9 @@ all-reduces, as without our callback). Runs alternate, `--repeats` of each; the 
     python bench/ddp_bench.py                      # defaults: n_step 8, 8 optimizer steps, ~5.3M parameters
     python bench/ddp_bench.py --n-step 4 --hidden 1024 --repeats 5
 """
-import argparse, contextlib, datetime, os, socket, statistics, sys, tempfile, time
+import argparse, contextlib, os, statistics, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback, CancelValidException
@@ -21,6 +20,8 @@ from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
 from accum_callback.distributed import count_allreduces
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import launch_gloo
 
 class SyncEveryDDP(DDP):
     "DDP whose `no_sync` does nothing: every micro-batch all-reduces its gradients"
@@ -47,17 +48,12 @@ def run(rank, world, n_step, bs, steps, hidden, variant, seed=0):
     return dict(rounds=counter.n_rounds, calls=counter.n_calls, steps=learn.gradient_accumulation.steps,
                 micro=len(dls.train), wall=wall.item(), params=sum(p.numel() for p in model.parameters()))
 
-def _entry(rank, world, port, d, args):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group('gloo', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        res = {'no_sync': [], 'sync_every': []}
-        run(rank, world, args.n_step, args.bs, 1, args.hidden, 'no_sync')   # warm-up: first DDP run, allocator, gloo pairs
-        for _ in range(args.repeats):
-            for v in res: res[v].append(run(rank, world, args.n_step, args.bs, args.steps, args.hidden, v))
-        if rank == 0: torch.save(res, os.path.join(d, 'res.pt'))
-    finally: dist.destroy_process_group()
+def _runs(rank, world, args):
+    res = {'no_sync': [], 'sync_every': []}
+    run(rank, world, args.n_step, args.bs, 1, args.hidden, 'no_sync')   # warm-up: first DDP run, allocator, gloo pairs
+    for _ in range(args.repeats):
+        for v in res: res[v].append(run(rank, world, args.n_step, args.bs, args.steps, args.hidden, v))
+    return res
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -68,10 +64,8 @@ def main(argv=None):
     p.add_argument('--repeats', type=int, default=3, help='runs of each variant, alternating')
     p.add_argument('--threads', type=int, default=1, help='torch threads per process')
     args = p.parse_args(argv)
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(2, port, d, args), nprocs=2, join=True)
-        res = torch.load(os.path.join(d, 'res.pt'))
+    res = launch_gloo(_runs, 2, (args,), threads=args.threads)
+    if res is None: sys.exit('ddp_bench: a DDP process failed')
     a,b = res['no_sync'],res['sync_every']
     med = lambda rs,k: statistics.median(r[k] for r in rs)
     r = a[0]

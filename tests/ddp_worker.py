@@ -2,7 +2,7 @@
 
 Every scenario returns, per rank: the final weights, the optimizer steps, each step's window (the rank's own samples),
 and the gradient all-reduces each micro-batch made (counted by a DDP communication hook)."""
-import contextlib, datetime, os, socket, tempfile, time, traceback
+import contextlib, datetime, os, tempfile, time, traceback
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,11 +14,9 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from accum_callback import GradientAccumulation
 from accum_callback.distributed import count_allreduces
 from helpers import MLP, Float64Smoothing, make_learner
+from conftest import free_port
 
 LR = 0.1
-
-def free_port()->int:
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def spawn(fn, world_size=2, timeout=60, **kwargs):
     "Run `fn(rank, world_size, **kwargs)` in `world_size` fresh processes over gloo; return each rank's result"

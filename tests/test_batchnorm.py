@@ -18,10 +18,7 @@ from helpers import fit_quiet, make_data, make_dls, make_learner, rel_err
 STATS_TOL = 1e-6   # relative (norm) error of pooled running statistics against the large-batch run
 OUT_TOL = 1e-5     # absolute error between two float32 computations of the same normalisation
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    # two shared cores: one intra-op thread is several times faster than two fighting other processes
-    n = torch.get_num_threads(); torch.set_num_threads(1); yield; torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 class BNNet(nn.Module):
     """BatchNorm1d on (N,C) and on (N,C,L) input, side by side: a forward normalises with micro-batch statistics, so
@@ -418,8 +415,8 @@ def test_pool_with_a_timm_norm_act_layer():
 
 def test_pool_counts_every_rank_for_syncbatchnorm(monkeypatch):
     "SyncBatchNorm's statistics cover all ranks' micro-batches: 'pool' weighs each by the global count (local x world)"
-    import types, accum_callback.batchnorm as bnmod
-    monkeypatch.setattr(bnmod, 'dist', types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+    import types, accum_callback.distributed as dmod
+    monkeypatch.setattr(dmod, 'dist', types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
                                                              get_world_size=lambda group=None: 2))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 3, generator=g)*torch.tensor([1., 2., 3.]) + 1

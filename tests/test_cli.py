@@ -1,23 +1,15 @@
 "`python -m accum_callback` / `accum-finetune`: defaults, a folder of images, every bad input, metrics.json"
-import json, math, os, subprocess, sys, time
+import json, math, os, signal, subprocess, sys, time, warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from accum_callback.cli import check_args, make_parser
-from accum_callback.train import auto_bn
+from accum_finetune.cli import check_args, make_parser
+from accum_finetune.finetune import auto_bn
 
 ROOT = Path(__file__).resolve().parents[1]
-
-@pytest.fixture(scope='session')
-def cache(tmp_path_factory):
-    "One pretrained checkpoint per test session, in a private cache (the user's is never touched)"
-    d = tmp_path_factory.getbasetemp()/'accum_cache'
-    os.environ['ACCUM_CALLBACK_CACHE'] = str(d)   # subprocesses and notebook kernels inherit it
-    from accum_callback.pretrain import pretrained_checkpoint
-    return pretrained_checkpoint()
 
 def run_cli(*args, cwd=None, timeout=300):
     return subprocess.run([sys.executable, '-m', 'accum_callback', *map(str, args)], capture_output=True, text=True,
@@ -60,7 +52,7 @@ def test_defaults_short(cache, tmp_path):
     import torch
     assert m['device'].startswith('cuda:') if torch.cuda.is_available() else m['device'] == 'cpu'   # --device auto
     assert (out/'training.png').stat().st_size > 1000
-    assert sorted(p.name for p in out.iterdir()) == ['metrics.json', 'training.png']
+    assert sorted(p.name for p in out.iterdir()) == ['metrics.json', 'model.pkl', 'training.png']
 
 def test_folder(cache, tmp_path):
     data,out = make_folder(tmp_path/'imgs'),tmp_path/'out'
@@ -74,6 +66,15 @@ def test_folder(cache, tmp_path):
     # 9 validation images: accuracy is a count of them, not a stable figure (one image moves it 11 points), so no
     # threshold here; the same --seed must give the same run
     assert round(m['accuracy']*9, 6) == round(m['accuracy']*9)
+    assert (m['precision'], m['classes']) == ('fp32', ['class0', 'class1', 'class2'])
+    assert m['images_per_s'] > 0 and m['peak_memory_mib'] > 0
+    # the exported Learner: fastai's load_learner, predict on an image file
+    from fastai.learner import load_learner
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')   # load_learner's pickle warning
+        learn = load_learner(out/'model.pkl')
+        label,idx,probs = learn.predict(data/'class1'/'0.png')
+    assert label in m['classes'] and probs.shape == (3,) and abs(float(probs.sum())-1) < 1e-5
     again = tmp_path/'again'
     res = run_cli('--data', data, '--micro-bs', 2, '--n-step', 4, '--bn', 'none', '--epochs', 2, '--valid-pct', 0.3,
                   '--device', 'cpu', '--out', again)   # not auto: on a GPU machine that is another device
@@ -89,6 +90,65 @@ def test_timm_arch_with_groupnorm(tmp_path):
     assert res.returncode == 0, res.stderr
     m = json.loads((out/'metrics.json').read_text())
     assert (m['arch'], m['bn'], m['pretrained'], m['optimizer_steps']) == ('timm/resnet10t', 'groupnorm', False, 3)
+
+def make_split_folder(root:Path, n_train=8, n_valid=3)->Path:
+    "fastai's `from_folder` default layout: train/ and valid/, each with one sub-folder per class"
+    make_folder(root/'train', n=n_train); make_folder(root/'valid', n=n_valid, seed=1)
+    return root
+
+def test_train_valid_layout(tmp_path):
+    "train/ + valid/ are the split, not two classes called 'train' and 'valid'"
+    data,out = make_split_folder(tmp_path/'imgs'),tmp_path/'out'
+    res = run_cli('--data', data, '--micro-bs', 4, '--n-step', 2, '--bn', 'none', '--epochs', 1, '--device', 'cpu', '--out', out)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((out/'metrics.json').read_text())
+    assert (m['n_train'], m['n_valid'], m['classes']) == (24, 9, ['class0', 'class1', 'class2'])
+    assert 'train/ 24 + valid/ 9' in m['data']
+
+def test_half_a_split_layout_is_refused(tmp_path):
+    data = make_folder(tmp_path/'imgs'); (data/'train').mkdir(); out = tmp_path/'out'
+    check_error(run_cli('--data', data, '--out', out), out, data, 'train/', 'valid/')
+
+def test_rerun_into_results_refused_then_overwritten(tmp_path):
+    "An --out holding results is refused (exit 2, one line naming --overwrite, nothing touched); --overwrite replaces"
+    data,out = make_folder(tmp_path/'imgs', n=4),tmp_path/'out'
+    args = ('--data', data, '--micro-bs', 2, '--n-step', 2, '--bn', 'none', '--epochs', 1, '--valid-pct', 0.25, '--device', 'cpu')
+    assert run_cli(*args, '--out', out).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = run_cli(*args, '--seed', 1, '--out', out)
+    assert res.returncode == 2 and res.stderr.count('\n') == 1 and '--overwrite' in res.stderr and 'metrics.json' in res.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    res = run_cli(*args, '--seed', 1, '--overwrite', '--out', out)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out/'metrics.json').read_text())['seed'] == 1 and sorted(p.name for p in out.iterdir()) == sorted(before)
+
+_IMPORTS_AFTER = """
+import runpy, sys
+sys.argv = ['accum_callback'] + sys.argv[1:]
+try: runpy.run_module('accum_callback', run_name='__main__', alter_sys=True)
+except SystemExit as e: code = e.code
+print('heavy:', sorted(m for m in ('torch', 'fastai', 'fastcore') if m in sys.modules), 'exit:', code)
+"""
+
+@pytest.mark.parametrize('args', [('--help',), ('--micro-bs', '0'), ('--bn', 'batch'), ('--nope',)])
+def test_help_and_argument_errors_load_no_torch(args):
+    "`python -m accum_callback --help` and argument errors answer before torch and fastai load (seconds saved)"
+    res = subprocess.run([sys.executable, '-c', _IMPORTS_AFTER, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert 'heavy: [] exit:' in res.stdout, (res.stdout, res.stderr)
+    assert res.stdout.rstrip().endswith('exit: 0' if args == ('--help',) else 'exit: 2')
+
+@pytest.mark.parametrize('delay', [0.3, 1.0, 3.0])
+def test_ctrl_c_one_line_exit_130(tmp_path, delay):
+    """SIGINT at start-up, while torch and fastai import, or later: one line on stderr, exit status 130, nothing written
+    (the exit status was once -2: CPython re-raises SIGINT at exit after a KeyboardInterrupt crossed an import)"""
+    out = tmp_path/'out'
+    p = subprocess.Popen([sys.executable, '-m', 'accum_callback', '--out', str(out), '--device', 'cpu'], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _,err = p.communicate(timeout=60)
+    assert p.returncode == 130 and [l for l in err.splitlines() if l.strip()] == ['accum-finetune: interrupted; nothing written'], err
+    assert not out.exists()
 
 # -- bad input -------------------------------------------------------------------------------------------------
 def test_missing_folder(tmp_path):
@@ -124,6 +184,8 @@ def test_existing_out_left_alone(tmp_path):
     (('--epochs', 0), ('--epochs',)),
     (('--device', 'gpu'), ('--device', 'gpu')),
     (('--device', 'cuda:99'), ('--device', 'cuda:99')),   # no GPU here, or fewer than 100
+    (('--precision', 'fp8'), ('--precision', 'fp8')),
+    (('--device', 'cpu', '--precision', 'fp16'), ('--precision', 'fp16', '--device cuda')),   # autocast on CUDA only
 ])
 def test_bad_arguments(tmp_path, args, names):
     out = tmp_path/'out'; check_error(run_cli(*args, '--out', out), out, *names)
@@ -162,13 +224,14 @@ def test_default_full(tmp_path, monkeypatch):
 
 def test_same_seed_same_run(cache):
     "fastai loaders take their shuffling seed from Python's `random` when built: `finetune` reseeds them"
-    import random
-    from accum_callback.data import digits_dls
-    from accum_callback.train import finetune
-    runs = []
+    import random, torch
+    from accum_finetune.data import digits_dls
+    from accum_finetune.finetune import build_learner, finetune
+    runs,threads = [],torch.get_num_threads()
     for junk in (1, 2):
         random.random(); random.seed(junk)                       # whatever ran before in the process
         dls = digits_dls(16, seed=3)
-        _, m = finetune(dls, weights=str(cache), micro_bs=16, n_step=2, bn='pool', epochs=1, seed=3, progress=False)
+        m = finetune(build_learner(dls, weights=str(cache), n_step=2, bn='pool', seed=3), epochs=1, progress=False)
         runs.append((m['valid_loss'], m['accuracy']))
     assert runs[0] == runs[1]
+    assert torch.get_num_threads() == threads   # as a library, the job sets no global state

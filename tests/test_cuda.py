@@ -2,7 +2,7 @@
 
 `ACCUM_TEST_DEVICE=cpu python -m pytest -m cuda tests/test_cuda.py` dry-runs the tests that need no CUDA-only feature on
 the CPU (the mixed-precision, NCCL and CUDA-graph tests still skip there)."""
-import os, socket
+import os
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
@@ -18,6 +18,7 @@ from fastai.callback.core import Callback
 from accum_callback import GradientAccumulation, BatchNormAccumulation, BatchRenorm, accumulated_momentum
 from accum_callback.distributed import count_allreduces
 from helpers import *
+from conftest import free_port
 
 DEVICE = torch.device(os.environ.get('ACCUM_TEST_DEVICE', 'cuda'))
 ON_GPU = DEVICE.type == 'cuda'
@@ -143,14 +144,34 @@ def test_renorm_conversion_eval_output_and_training(channels_last):
     learn.model.eval()
     with torch.no_grad(): assert torch.isfinite(learn.model(x)).all() and y0.shape == learn.model(x).shape
 
-# -- DDP over NCCL (world size 1 on one GPU) -----------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+@needs_gpu
+@pytest.mark.parametrize('dtype,channels_last', [(torch.float32, False), (torch.float32, True), (torch.float16, True), (torch.bfloat16, False)])
+def test_fused_renorm_equals_reference(dtype, channels_last):
+    """CUDA's fused Batch Renorm (SyncBatchNorm's kernels) against the unfused reference, same layer state: output,
+    input/weight/bias gradients and running statistics, past the ramp so r and d clip"""
+    torch.manual_seed(0)
+    x0 = (torch.randn(8, 16, 6, 6, device=DEVICE)*3 + 1).to(dtype)
+    if channels_last: x0 = x0.contiguous(memory_format=torch.channels_last)
+    res = []
+    for fused in (True, False):
+        torch.manual_seed(1)
+        bn = BatchRenorm(16, r_max=1.5, d_max=0.5, ramp=0).to(DEVICE)
+        with torch.no_grad(): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-1, 1); bn.running_var.fill_(0.3)
+        bn.fused = fused
+        x = x0.clone().requires_grad_()
+        with torch.autocast('cuda', dtype=dtype, enabled=dtype != torch.float32):
+            y = bn(x)
+        (y.float()*torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+        res.append([t.detach().float() for t in (y, x.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var)])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2   # relative, on norms
+    for name,a,b in zip(('out', 'dx', 'dw', 'db', 'running_mean', 'running_var'), *res):
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
+# -- DDP over NCCL (world size 1 on one GPU) -----------------------------------------------------------------------------
 @pytest.fixture
-def process_group():
+def process_group(monkeypatch):
     backend = 'nccl' if ON_GPU else 'gloo'
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port()))
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1'); monkeypatch.setenv('MASTER_PORT', str(free_port()))
     dist.init_process_group(backend, rank=0, world_size=1)
     yield backend
     dist.destroy_process_group()

@@ -1,5 +1,4 @@
 "Execute every notebook in nbs/ with nbclient, in a temporary working directory (tiny settings: no env flags set)"
-import os
 from pathlib import Path
 
 import pytest
@@ -8,13 +7,6 @@ nbformat = pytest.importorskip('nbformat')
 nbclient = pytest.importorskip('nbclient')
 
 NBS = sorted((Path(__file__).resolve().parents[1]/'nbs').glob('*.ipynb'))
-
-@pytest.fixture(scope='session')
-def cache(tmp_path_factory):
-    "The pretrained checkpoint in a private per-session cache, which the kernels inherit through the environment"
-    d = tmp_path_factory.getbasetemp()/'accum_cache'
-    os.environ['ACCUM_CALLBACK_CACHE'] = str(d)
-    return d
 
 @pytest.mark.parametrize('nb', NBS, ids=[p.name for p in NBS])
 def test_notebook(nb, tmp_path, cache, monkeypatch):

@@ -1,6 +1,6 @@
 """The pretrained checkpoint of the default transfer task: `resnet_tiny` trained on digits 0-4, cached after the first run.
 
-Build (or rebuild) it by hand with `python -m accum_callback.pretrain [--force]`. The cache folder is
+Build (or rebuild) it by hand with `python -m accum_finetune.pretrain [--force]`. The cache folder is
 `$ACCUM_CALLBACK_CACHE`, else `$XDG_CACHE_HOME/accum_callback`, else `~/.cache/accum_callback`."""
 from __future__ import annotations
 import contextlib, os, sys, tempfile
@@ -14,7 +14,7 @@ from fastai.metrics import accuracy
 from fastai.torch_core import set_seed
 
 from .data import DIGITS_PRETRAIN, digits_dls
-from .train import DEFAULT_ARCH, create_model
+from .models import DEFAULT_ARCH, create_model
 
 __all__ = ['CACHE_ENV', 'cache_dir', 'checkpoint_path', 'pretrained_checkpoint']
 
@@ -29,19 +29,17 @@ def cache_dir()->Path:
 def checkpoint_path(arch:str=DEFAULT_ARCH, size:int=32)->Path:
     return cache_dir()/f"{arch}_digits{''.join(map(str, DIGITS_PRETRAIN))}_{size}px_v{_VERSION}.pth"
 
-def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, progress:bool=False,
-                          threads:int|None=1)->Path:
-    "Path of the digits 0-4 checkpoint of `arch`, training (and caching) it first if it is not there"
+def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, progress:bool=False)->Path:
+    "Path of the digits 0-4 checkpoint of `arch`, training (and caching) it first if it is not there (on the CPU)"
     path = checkpoint_path(arch, size)
     if path.is_file() and not force: return path
-    if threads: torch.set_num_threads(threads)   # more threads only slow this small net down on shared cores
     set_seed(PRETRAIN['seed'], reproducible=True)
     dls = digits_dls(PRETRAIN['bs'], DIGITS_PRETRAIN, size, valid_pct=0.1, seed=PRETRAIN['seed'])
     learn = Learner(dls, create_model(arch, dls.c), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     print(f"accum-finetune: pretraining {arch} on digits 0-4 once, cached at {path}", file=sys.stderr)
     with learn.no_logging(), (learn.no_bar() if not progress else contextlib.nullcontext()):
         learn.fit_one_cycle(PRETRAIN['epochs'], PRETRAIN['lr'])
-    acc = float(learn.validate()[1])
+        acc = float(learn.validate()[1])
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename: concurrent first runs never read a half-written file
     fd,tmp = tempfile.mkstemp(dir=path.parent, suffix='.tmp'); os.close(fd)
@@ -55,7 +53,7 @@ def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, 
 
 if __name__ == '__main__':
     import argparse
-    p = argparse.ArgumentParser(prog='python -m accum_callback.pretrain', description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog='python -m accum_finetune.pretrain', description=__doc__.splitlines()[0])
     p.add_argument('--arch', default=DEFAULT_ARCH); p.add_argument('--size', type=int, default=32)
     p.add_argument('--force', action='store_true', help='rebuild even if cached')
     a = p.parse_args()

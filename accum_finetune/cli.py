@@ -1,15 +1,21 @@
 """`accum-finetune` / `python -m accum_callback`: fine-tune an image classifier with exact gradient accumulation.
 
 Bad input ends with one line on stderr naming the argument or path, exit status 2, and nothing written to `--out`:
-everything is checked before training, and the outputs are written to a temporary folder moved into `--out` at the end."""
+everything is checked before training, and the outputs are written to a temporary folder moved into `--out` at the end.
+The arguments are parsed before torch and fastai load (`--help` and argument errors answer at once), and Ctrl-C at any
+moment ends with one line and exit status 130."""
 from __future__ import annotations
 import argparse, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
-__all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main']
+from accum_callback.modes import BN_MODES
+
+__all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main', 'run']
 
 PROG = 'accum-finetune'
-_BN = ('auto', 'none', 'pool', 'momentum', 'freeze', 'groupnorm', 'renorm')   # = `train.BN_MODES`, without importing torch
+RESULTS = ('metrics.json', 'training.png', 'model.pkl')   # what a run writes into --out
+_BN = ('auto', 'none') + BN_MODES   # = `finetune.JOB_BN_MODES`; `accum_callback.modes` imports nothing
+_PRECISION = ('auto', 'fp32', 'fp16', 'bf16')   # = `finetune.PRECISIONS`
 
 class UsageError(ValueError): "Bad command-line input, reported as one line"
 
@@ -20,8 +26,9 @@ def make_parser()->argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Fine-tune an image classifier with exact gradient accumulation and a BatchNorm "
                 "mode. With no --data: the embedded digits transfer task (pretrain on 0-4, fine-tune on 5-9).")
     a = p.add_argument
-    a('--data', type=Path, default=None, metavar='DIR', help='one sub-folder of images per class (default: embedded digits 5-9)')
-    a('--valid-pct', type=float, default=0.2, help='random validation fraction (default: 0.2)')
+    a('--data', type=Path, default=None, metavar='DIR', help='one sub-folder of images per class, or train/ and valid/ '
+      'each with one sub-folder per class (default: embedded digits 5-9)')
+    a('--valid-pct', type=float, default=0.2, help='random validation fraction without train/ + valid/ (default: 0.2)')
     a('--arch', default='resnet_tiny', metavar='NAME', help='resnet_tiny (default), a torchvision model name, or timm/NAME')
     a('--weights', default=None, metavar='PATH|NAME|none',
       help='a local checkpoint, torchvision weights name (e.g. DEFAULT; downloaded where the network allows) or none. '
@@ -36,9 +43,12 @@ def make_parser()->argparse.ArgumentParser:
     a('--lr', type=float, default=3e-3, help='peak one-cycle learning rate (default: 3e-3)')
     a('--seed', type=int, default=0, help='default: 0')
     a('--device', default='auto', metavar='auto|cpu|cuda|cuda:N', help='where to train (default auto: the GPU when there is one)')
+    a('--precision', default='auto', choices=_PRECISION, metavar='auto|fp32|fp16|bf16',
+      help='mixed precision through fastai\'s MixedPrecision (default auto: bf16 where the GPU has it, else fp16 on CUDA, fp32 on CPU)')
     a('--threads', type=int, default=1, help='torch CPU threads (default: 1, fastest for the small default net)')
-    a('--out', type=Path, default=Path('runs/finetune'), metavar='DIR', help='where metrics.json and training.png go '
-      '(default: runs/finetune)')
+    a('--out', type=Path, default=Path('runs/finetune'), metavar='DIR', help='where metrics.json, training.png and '
+      'model.pkl go (default: runs/finetune)')
+    a('--overwrite', action='store_true', help='replace the results of an earlier run in --out (otherwise refused)')
     return p
 
 def check_args(args)->argparse.Namespace:
@@ -57,6 +67,10 @@ def check_args(args)->argparse.Namespace:
             raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of --micro-bs {args.micro_bs}")
         args.n_step = args.effective_bs//args.micro_bs
     if args.out.exists() and not args.out.is_dir(): raise UsageError(f"--out {args.out}: exists and is not a folder")
+    held = [f for f in RESULTS if (args.out/f).exists()]
+    if held and not args.overwrite:
+        raise UsageError(f"--out {args.out}: holds the results of an earlier run ({', '.join(held)}); pass --overwrite to "
+                         "replace them, or choose another --out")
     if args.weights and args.weights.lower() == 'none': args.weights = 'none'
     if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', args.device):
         raise UsageError(f"argument --device: {args.device!r} is not auto, cpu, cuda or cuda:N")
@@ -66,39 +80,50 @@ def _summary(m:dict, source:str, files)->str:
     rows = [('data', source), ('arch', f"{m['arch']} ({'pretrained: '+m['weights'] if m['pretrained'] else 'from scratch'})"),
             ('micro_bs x n_step', f"{m['micro_bs']} x {m['n_step']} = {m['effective_bs']} per optimizer step"),
             ('bn', m['bn'] + (' (auto)' if m['bn_requested'] == 'auto' else '')), ('device', m['device']),
+            ('precision', m['precision']),
             ('epochs', f"{m['epochs']} ({m['n_train']} train / {m['n_valid']} valid images)"),
-            ('optimizer_steps', m['optimizer_steps']), ('train time', f"{m['train_seconds']} s"),
+            ('optimizer_steps', m['optimizer_steps']),
+            ('train time', f"{m['train_seconds']} s ({m['images_per_s']:.0f} images/s, peak memory {m['peak_memory_mib']:.0f} MiB)"),
             ('accuracy', f"{m['accuracy']:.4f}"), ('wrote', ', '.join(map(str, files)))]
     w = max(len(k) for k,_ in rows)
     return '\n'.join([f'{PROG} summary', '-'*(w+50)] + [f'{k:<{w}}  {v}' for k,v in rows])
 
 def _run(args)->int:
     warnings.filterwarnings('ignore', category=FutureWarning)   # torch/fastai import-time deprecation notices
-    from .data import DataError, check_folder, digits_dls, folder_dls
-    from .train import ArchError, DEFAULT_ARCH, check_arch, finetune, plot_training, resolve_device, write_metrics
+    import torch
+    from .data import check_folder, digits_dls, folder_dls
+    from .models import DEFAULT_ARCH, check_arch
+    from .finetune import build_learner, finetune, plot_training, resolve_device, resolve_precision, write_metrics
     check_arch(args.arch)
     try: device = resolve_device(args.device)
     except ValueError as e: raise UsageError(f"argument --device: {e}") from None
+    try: precision = resolve_precision(args.precision, device)
+    except ValueError as e: raise UsageError(f"argument --precision: {e}") from None
+    torch.set_num_threads(args.threads)   # the command's choice; `finetune` as a library leaves threads alone
     images = check_folder(args.data) if args.data is not None else None   # before any pretraining: fail fast
     weights = args.weights
     if weights is None and args.arch == DEFAULT_ARCH:
         from .pretrain import pretrained_checkpoint
         weights = str(pretrained_checkpoint(DEFAULT_ARCH, args.size))
     elif weights == 'none': weights = None
-    dls = (digits_dls(args.micro_bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed) if args.data is None else
-           folder_dls(args.data, args.micro_bs, args.size, args.valid_pct, args.seed, files=images))
-    dls.to(device)
+    dls = (digits_dls(args.micro_bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device) if args.data is None
+           else folder_dls(args.data, args.micro_bs, args.size, args.valid_pct, args.seed, files=images, device=device))
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
-        learn,m = finetune(dls, args.arch, weights, args.micro_bs, args.n_step, args.bn, args.epochs, args.lr,
-                           args.seed, threads=args.threads)
+        learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
+                              lr=args.lr, seed=args.seed)
+        m = finetune(learn, args.epochs, args.lr)
         m['data'] = dls.source
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
+        learn.export(tmp/'model.pkl')   # fastai's `load_learner(path).predict(image)`
         args.out.mkdir(parents=True, exist_ok=True)
-        files = [Path(shutil.move(f, args.out/f.name)) for f in sorted(tmp.iterdir())]
+        files = [Path(shutil.move(f, args.out/f.name)) if not (args.out/f.name).exists() else _replace(f, args.out/f.name)
+                 for f in sorted(tmp.iterdir())]
     finally: shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(m, dls.source, files))
     return 0
+
+def _replace(src:Path, dst:Path)->Path: "`--overwrite`: an earlier run's file replaced"; dst.unlink(); return Path(shutil.move(src, dst))
 
 def main(argv=None)->int:
     "Entry point of `accum-finetune` and `python -m accum_callback`; returns the exit status"
@@ -107,8 +132,17 @@ def main(argv=None)->int:
     except UsageError as e: return _fail(e)
     except ValueError as e:
         from .data import DataError
-        from .train import ArchError
+        from .models import ArchError
         if not isinstance(e, (DataError, ArchError)): raise
         return _fail(e)
+
+def run():
+    """`accum-finetune`, `python -m accum_callback` and `python -m accum_finetune`: `main()`'s status as the process's exit
+    status. After Ctrl-C it leaves with `os._exit(130)`: CPython kills itself with SIGINT at exit when a KeyboardInterrupt
+    once crossed code run through its C API (as imports can), even one that was caught, turning 130 into -2."""
+    import os
+    code = main()
+    if code == 130: sys.stdout.flush(); sys.stderr.flush(); os._exit(130)
+    sys.exit(code)
 
 def _fail(e)->int: print(f'{PROG}: error: {e}', file=sys.stderr); return 2

@@ -7,11 +7,13 @@ import pandas as pd
 
 from .data import digits_dls
 from .pretrain import pretrained_checkpoint
-from .train import DEFAULT_ARCH, auto_bn, finetune
+from .finetune import auto_bn, build_learner, finetune
+from .models import DEFAULT_ARCH
 
 __all__ = ['STUDY_MODES', 'run_study', 'summarize', 'plot_study']
 
-STUDY_MODES = ('none', 'pool', 'momentum', 'freeze', 'groupnorm', 'renorm')
+from accum_callback.modes import BN_MODES
+STUDY_MODES = ('none',) + BN_MODES   # plain BatchNorm at the micro-batch, then every mode
 
 def run_study(
     seeds=(0,1,2), # one fine-tuning run per seed and configuration
@@ -33,7 +35,8 @@ def run_study(
         for mbs,bn in configs:
             t0 = time.perf_counter()
             dls = digits_dls(mbs, size=size, seed=seed)
-            _,m = finetune(dls, arch, weights, mbs, effective_bs//mbs, bn, epochs, lr, seed, progress=False)
+            learn = build_learner(dls, arch, weights=weights, n_step=effective_bs//mbs, bn=bn, lr=lr, seed=seed)
+            m = finetune(learn, epochs, lr, progress=False)
             ref = mbs == effective_bs
             rows.append(dict(config='large batch' if ref else f'{mbs} x {effective_bs//mbs}', micro_bs=mbs,
                              n_step=effective_bs//mbs, bn='-' if ref else bn, seed=seed, accuracy=m['accuracy'],

@@ -1,0 +1,259 @@
+"""Normalisation layers for accumulation: `BatchRenorm` (1d/2d/3d), the timm norm-act adapters, and the converters that
+replace every BatchNorm of a model by GroupNorm or Batch Renorm (in place, keeping the Parameter objects)"""
+from __future__ import annotations
+import warnings
+from numbers import Real
+
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .schedule import _whole
+
+__all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
+           'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm']
+
+def _real(v, name:str, lo:float)->float:
+    if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
+    if not v >= lo: raise ValueError(f"`{name}` must be >= {lo}, got {v}")
+    return float(v)
+
+# -- module conversion ------------------------------------------------------------------------------------------------
+def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
+    "Replace each `_BatchNorm` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
+    memo = {} if memo is None else memo
+    if is_batchnorm(module):
+        if id(module) not in memo: memo[id(module)] = fn(module, name or '<root>')
+        return memo[id(module)]
+    for n,child in list(module._modules.items()):   # not `named_children`, which skips a module's second name
+        if child is None: continue
+        new = _convert(child, fn, f'{name}.{n}' if name else n, memo)
+        if new is not child: module.add_module(n, new)
+    return module
+
+def is_batchnorm(m)->bool:
+    "A BatchNorm layer to convert or treat (1d/2d/3d, SyncBatchNorm, timm's norm-act; a `BatchRenorm` is one to fastai, not here)"
+    return isinstance(m, _BatchNorm) and not isinstance(m, BatchRenorm)
+
+def is_converted_norm(m)->bool:
+    "A GroupNorm made by `bn_to_groupnorm` or a `BatchRenorm`: fastai should treat its parameters as BatchNorm's"
+    return getattr(m, '_from_bn', False) or isinstance(m, BatchRenorm)
+
+def _factory(bn)->dict:
+    t = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
+    return {} if t is None else dict(device=t.device, dtype=t.dtype)
+
+def _has_stats(bn)->bool:
+    "Does `bn` hold running statistics other than the ones it was initialised with?"
+    if bn.running_mean is None: return False
+    nbt = bn.num_batches_tracked
+    return bool((nbt is not None and nbt > 0) or bn.running_mean.ne(0).any() or bn.running_var.ne(1).any())
+
+def _groups(c:int, num_groups:int)->int: return max(g for g in range(1, min(c, num_groups)+1) if c % g == 0)
+
+def bn_to_groupnorm(
+    module:nn.Module, # a model (or a single BatchNorm layer)
+    num_groups:int=32, # most groups per layer: each layer gets the largest count <= this that divides its channels
+)->nn.Module:
+    """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `nn.GroupNorm`, in place, and return the root
+    (a new module only when `module` itself is a BatchNorm). The GroupNorm reuses the BatchNorm's own `weight` and `bias`
+    Parameter objects, so an optimizer, fastai param groups, freeze/unfreeze and discriminative learning rates built
+    on the model keep working; device, dtype, `training` and `requires_grad` are kept. Running statistics are
+    discarded: one warning when any were not at their initial values.
+
+    GroupNorm accepts `(N,C)` input too (a `BatchNorm1d` head): each group is then normalised over its `C/groups`
+    channels of one sample, so a group of one channel gives just the bias (a warning names such `BatchNorm1d` layers).
+
+    >>> from torchvision.models import resnet18
+    >>> m = bn_to_groupnorm(resnet18(weights=None))
+    >>> type(m.bn1).__name__, m.bn1.num_groups, m.layer4[0].bn2.num_channels
+    ('GroupNorm', 32, 512)
+    """
+    num_groups = _whole(num_groups, 'num_groups')
+    stats,single = [],[]
+    def fn(bn, name):
+        g = _groups(bn.num_features, num_groups)
+        gn = (GroupNormAct if _is_norm_act(bn) else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
+        if bn.affine: gn.weight,gn.bias = bn.weight,bn.bias
+        _keep_act(bn, gn)
+        gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
+        if _has_stats(bn): stats.append(name)
+        if isinstance(bn, nn.BatchNorm1d) and g == bn.num_features: single.append(name)
+        return gn.train(bn.training)
+    res = _convert(module, fn)
+    if stats: warnings.warn(f"bn_to_groupnorm: running statistics of {len(stats)} BatchNorm layer(s) (e.g. {stats[0]}) "
+                            "are discarded: GroupNorm normalises with per-sample statistics only", stacklevel=2)
+    if single: warnings.warn(f"bn_to_groupnorm: {single} got one channel per group: on (N,C) input such a GroupNorm "
+                             "outputs only its bias; give a smaller `num_groups`", stacklevel=2)
+    return res
+
+class BatchRenorm(_BatchNorm):
+    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input: a `_BatchNorm` with
+    BatchNorm's parameters, buffers and state-dict keys. Training normalises with the batch statistics corrected towards
+    the running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
+    clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`, `d_max` start at 1, 0
+    (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over `ramp` forwards.
+    `BatchRenorm1d/2d/3d` are also `nn.BatchNorm1d/2d/3d`, so fastai treats them as BatchNorm (`BnFreeze`, `train_bn`,
+    `wd_bn_bias`); the converters pick the one matching the layer they replace."""
+    def __init__(self,
+        num_features:int, # channels C
+        eps:float=1e-5, # added to the variance
+        momentum:float|None=0.1, # running-statistics momentum (None: cumulative average), as in BatchNorm
+        affine:bool=True, # learn a per-channel weight and bias
+        track_running_stats:bool=True, # keep running statistics (else batch statistics always, as BatchNorm)
+        r_max:float=3., # largest std correction once ramped (>= 1)
+        d_max:float=5., # largest mean correction, in running stds, once ramped (>= 0)
+        warmup:int=0, # training forwards with r_max=1, d_max=0 (plain BatchNorm) first
+        ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
+        device=None, dtype=None):
+        num_features = _whole(num_features, 'num_features')
+        r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),_whole(warmup, 'warmup', lo=0),_whole(ramp, 'ramp', lo=0)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
+        self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
+        self.fused = True   # on CUDA: `_RenormFn` (SyncBatchNorm's fused kernels); False: the unfused reference
+
+    def _check_input_dim(self, x):
+        if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
+
+    def limits(self)->tuple[float,float]:
+        "`(r_max, d_max)` in force now"
+        t = self.renorm_steps - self.warmup
+        f = 0. if t < 0 else (1. if self.ramp == 0 else min(1., t/self.ramp))
+        return 1 + (self.r_max-1)*f, self.d_max*f
+
+    def forward(self, x:torch.Tensor)->torch.Tensor:
+        self._check_input_dim(x)
+        if x.shape[1] != self.num_features: raise ValueError(f"BatchRenorm({self.num_features}) got {x.shape[1]} channels")
+        rm,rv = self.running_mean,self.running_var
+        if not (self.training and self.track_running_stats and rm is not None):
+            # BatchNorm's own paths: evaluation with running statistics, or batch statistics without them
+            use = not self.training or self.track_running_stats
+            return F.batch_norm(x, rm if use else None, rv if use else None, self.weight, self.bias,
+                                self.training or rm is None, 0., self.eps)
+        n = x.numel() // x.shape[1]
+        if n < 2: raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+        r_max,d_max = self.limits()
+        self.renorm_steps += 1
+        self.num_batches_tracked.add_(1)
+        m = 1/float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        w,b = (self.weight, self.bias) if self.affine else (None, None)
+        if x.is_cuda and getattr(self, 'fused', True): return _RenormFn.apply(x, w, b, rm, rv, self.eps, r_max, d_max, m, n)
+        return _renorm_unfused(x, w, b, rm, rv, self.eps, r_max, d_max, m, n)
+
+    def extra_repr(self)->str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}, r_max={self.r_max}, d_max={self.d_max}, "
+                f"warmup={self.warmup}, ramp={self.ramp}")
+
+@torch.no_grad()
+def _correction(mean, std_b, rm, rv, eps, r_max, d_max):
+    "Batch Renorm's r = std_B/std and d = (mean_B-mean)/std, clipped; constants to the backward (Ioffe 2017)"
+    inv_r = (rv + eps).rsqrt()
+    return (std_b*inv_r).clamp_(1/r_max, r_max),((mean-rm)*inv_r).clamp_(-d_max, d_max)
+
+def _renorm_unfused(x, w, b, rm, rv, eps, r_max, d_max, m, n):
+    """Any device: (x-mean_B)/std_B*r + d, then the affine, through BatchNorm's kernel with weight w*r and bias w*d + b
+    (differentiating through the batch statistics, as Batch Renorm does)"""
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    with torch.no_grad():
+        var,mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
+        r,d = _correction(mean, (var + eps).sqrt(), rm, rv, eps, r_max, d_max)
+        torch._foreach_lerp_([rm, rv], [mean.to(rm.dtype), (var*(n/(n-1))).to(rv.dtype)], m)
+    w2,b2 = (r, d) if w is None else (w*r, torch.addcmul(b, w, d))
+    return F.batch_norm(xf, None, None, w2, b2, True, 0., eps).to(x.dtype)
+
+def _layout(x):
+    "The memory format SyncBatchNorm's kernels want for `x`: channels-last where `x` is stored that way"
+    cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
+
+class _RenormFn(torch.autograd.Function):
+    """CUDA: Batch Renorm with SyncBatchNorm's fused kernels, in the input's precision (fp16/bf16 under autocast
+    included): one statistics pass (`batch_norm_stats`) and one normalising pass (`batch_norm_elemt`) forward, one
+    reduction and one elementwise pass backward, as BatchNorm; r, d and the running statistics are per-channel ops."""
+    @staticmethod
+    def forward(ctx, x, w, b, rm, rv, eps, r_max, d_max, m, n):
+        x = x.contiguous(memory_format=_layout(x))
+        mean,invstd = torch.batch_norm_stats(x, eps)
+        var_b = invstd.pow(-2).sub_(eps)   # the biased batch variance (fp32 statistics, as SyncBatchNorm's)
+        r,d = _correction(mean, invstd.reciprocal(), rm, rv, eps, r_max, d_max)
+        with torch.no_grad(): torch._foreach_lerp_([rm, rv], [mean.to(rm.dtype), (var_b*(n/(n-1))).to(rv.dtype)], m)
+        w2,b2 = (r, d) if w is None else (w.detach()*r, torch.addcmul(b.detach(), w.detach(), d))
+        ctx.save_for_backward(x, w2, mean, invstd, r, d)
+        ctx.affine = w is not None
+        return torch.batch_norm_elemt(x, w2, b2, mean, invstd, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        x,w2,mean,invstd,r,d = ctx.saved_tensors
+        g = g.contiguous(memory_format=_layout(x))
+        need_x,need_w = ctx.needs_input_grad[0],ctx.affine and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        sum_dy,sum_dy_xmu,gw2,gb2 = torch.batch_norm_backward_reduce(g, x, mean, invstd, w2, need_x, need_w, need_w)
+        gx = gw = gb = None
+        if need_x:
+            count = torch.full((1,), x.numel()//x.shape[1], dtype=torch.int32, device=x.device)
+            gx = torch.batch_norm_backward_elemt(g, x, mean, invstd, w2, sum_dy, sum_dy_xmu, count)
+        if need_w: gw,gb = torch.addcmul(gw2*r, gb2, d),gb2   # w2 = w*r and b2 = w*d + b, with r and d constants
+        return gx,gw,gb,None,None,None,None,None,None,None
+
+# timm's norm-act layers (`BatchNormAct2d`, a BatchNorm2d subclass used by EfficientNet, RegNet, ...) apply dropout and
+# an activation after normalising: a conversion that dropped them would silently change the network.
+def _is_norm_act(bn)->bool: return isinstance(getattr(bn, 'act', None), nn.Module) and isinstance(getattr(bn, 'drop', None), nn.Module)
+def _keep_act(bn, new):
+    if _is_norm_act(bn): new.drop,new.act = bn.drop,bn.act
+
+class _NormAct:
+    "Normalise, then the dropout and activation the converted timm norm-act layer carried (same state-dict keys)"
+    def forward(self, x): return self.act(self.drop(super().forward(x)))
+
+class BatchRenorm1d(BatchRenorm, nn.BatchNorm1d):
+    "`BatchRenorm` for (N,C) or (N,C,L) input; an `nn.BatchNorm1d` to fastai"
+    def _check_input_dim(self, x): nn.BatchNorm1d._check_input_dim(self, x)
+class BatchRenorm2d(BatchRenorm, nn.BatchNorm2d):
+    "`BatchRenorm` for (N,C,H,W) input; an `nn.BatchNorm2d` to fastai"
+    def _check_input_dim(self, x): nn.BatchNorm2d._check_input_dim(self, x)
+class BatchRenorm3d(BatchRenorm, nn.BatchNorm3d):
+    "`BatchRenorm` for (N,C,D,H,W) input; an `nn.BatchNorm3d` to fastai"
+    def _check_input_dim(self, x): nn.BatchNorm3d._check_input_dim(self, x)
+
+class GroupNormAct(_NormAct, nn.GroupNorm): "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+class BatchRenormAct(_NormAct, BatchRenorm): "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+class BatchRenormAct2d(_NormAct, BatchRenorm2d): "`BatchRenorm2d` followed by the `drop` and `act` of a converted timm norm-act layer"
+
+def _renorm_cls(bn):
+    "The BatchRenorm class that replaces `bn`: the same BatchNorm dimension, so fastai's type checks still match"
+    act = _is_norm_act(bn)
+    if isinstance(bn, nn.BatchNorm2d): return BatchRenormAct2d if act else BatchRenorm2d
+    if act: return BatchRenormAct
+    if isinstance(bn, nn.BatchNorm1d): return BatchRenorm1d
+    if isinstance(bn, nn.BatchNorm3d): return BatchRenorm3d
+    return BatchRenorm   # SyncBatchNorm and other _BatchNorm subclasses: any dimension
+
+def bn_to_batchrenorm(
+    module:nn.Module, # a model (or a single BatchNorm layer)
+    r_max:float=3., # largest std correction once ramped
+    d_max:float=5., # largest mean correction once ramped
+    warmup:int=0, # training forwards as plain BatchNorm first
+    ramp:int=5000, # training forwards over which the limits then grow from 1, 0 to `r_max`, `d_max`
+)->nn.Module:
+    """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `BatchRenorm`, in place, and return the root (a
+    new module only when `module` itself is a BatchNorm). The new layers reuse the BatchNorm's `weight`/`bias`
+    Parameter objects and its running-statistics buffers (pretrained statistics are kept, so the model's eval output
+    is unchanged) and keep eps, momentum, `training`, device and dtype.
+
+    >>> import torch
+    >>> from torchvision.models import resnet18
+    >>> m = resnet18(weights=None).eval(); x = torch.randn(2, 3, 32, 32); y = m(x)
+    >>> m = bn_to_batchrenorm(m, r_max=3., d_max=5., ramp=1000)
+    >>> torch.equal(m(x), y), type(m.bn1).__name__
+    (True, 'BatchRenorm')
+    """
+    kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
+    BatchRenorm(1, **kw)   # validate before touching the model
+    def fn(bn, name):
+        new = _renorm_cls(bn)(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
+        if bn.affine: new.weight,new.bias = bn.weight,bn.bias
+        _keep_act(bn, new)
+        new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked
+        return new.train(bn.training)
+    return _convert(module, fn)

@@ -1,0 +1,149 @@
+"""Build a fastai `Learner` for the job (model, accumulation, BatchNorm mode, precision), fine-tune it, and report.
+A library here sets no global state: threads and the plotting backend are the command line's business (`cli.py`)."""
+from __future__ import annotations
+import json, random, resource, time
+from pathlib import Path
+
+import torch
+from fastai.callback.core import Callback
+from fastai.learner import Learner
+import fastai.callback.schedule, fastai.callback.progress   # `fit_one_cycle`, progress bars
+from fastai.losses import CrossEntropyLossFlat
+from fastai.metrics import accuracy
+from fastai.torch_core import find_bs, set_seed
+
+from accum_callback import GradientAccumulation, BatchNormAccumulation
+from .models import ArchError, DEFAULT_ARCH, create_model, has_batchnorm, load_weights
+
+__all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn',
+           'precision_callbacks', 'build_learner', 'Throughput', 'finetune', 'plot_training', 'write_metrics']
+
+from accum_callback.modes import BN_MODES
+JOB_BN_MODES = ('auto', 'none') + BN_MODES   # the job's --bn: the library's modes, plus the measured choice and plain BN
+PRECISIONS = ('auto', 'fp32', 'fp16', 'bf16')
+
+# -- device and precision -----------------------------------------------------------------------------------------
+def resolve_device(spec:str='auto')->torch.device:
+    "`auto` (the GPU when there is one), `cpu`, `cuda` or `cuda:N`, checked against what this machine has"
+    if spec == 'auto': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    dev = torch.device(spec)
+    if dev.type == 'cuda':
+        if not torch.cuda.is_available(): raise ValueError(f"{spec}: no CUDA device on this machine (use --device cpu or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+def describe_device(dev)->str:
+    "'cpu', or 'cuda:0 NVIDIA H100 80GB HBM3'"
+    dev = torch.device(dev)
+    if dev.type != 'cuda': return dev.type
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    return f'cuda:{i} {torch.cuda.get_device_name(i)}'
+
+def resolve_precision(spec:str, device)->str:
+    "`auto`: bf16 on a GPU that supports it, else fp16 on CUDA, fp32 on the CPU; fp16/bf16 need CUDA (fastai's MixedPrecision)"
+    dev = torch.device(device)
+    if spec == 'auto':
+        if dev.type != 'cuda': return 'fp32'
+        with torch.cuda.device(dev): return 'bf16' if torch.cuda.is_bf16_supported() else 'fp16'
+    if spec != 'fp32' and dev.type != 'cuda': raise ValueError(f"{spec} trains through CUDA autocast: use --device cuda, or --precision fp32")
+    if spec == 'bf16':
+        with torch.cuda.device(dev):
+            if not torch.cuda.is_bf16_supported(): raise ValueError("bf16: this GPU does not support bfloat16 (use fp16)")
+    return spec
+
+def precision_callbacks(precision:str)->list:
+    "fastai's `MixedPrecision` for fp16/bf16 (after `GradientAccumulation`: one scaler update per window), none for fp32"
+    if precision == 'fp32': return []
+    from fastai.callback.fp16 import MixedPrecision
+    return [MixedPrecision(amp_mode=precision)]
+
+# -- BatchNorm mode -------------------------------------------------------------------------------------------------
+# From the study in `nbs/02_batchnorm_study.ipynb` (numbers in `docs/main_job.md`)
+AUTO_FULL_BS = 16   # micro-batches at least this large: plain BatchNorm statistics are as good as the large batch's
+
+def auto_bn(micro_bs:int, n_step:int, pretrained:bool, has_bn:bool=True)->str:
+    "The `--bn auto` choice, by micro-batch size and whether the network starts from pretrained weights"
+    if not has_bn or n_step == 1 or micro_bs >= AUTO_FULL_BS: return 'none'
+    # Measured (docs/study_results.csv, pretrained, 5 seeds; docs/study_scratch.csv, from scratch, 3 seeds): 'pool' was
+    # the closest to the large batch at micro-batch 2 both ways (-0.34 and -1.49 points) and within noise of the best
+    # at 4. 'freeze', the usual advice for pretrained networks, lost 21 points; 'renorm' and 'groupnorm' lost 0.9-4.3.
+    # So the measured choice is the same with and without pretrained weights.
+    return 'pool'
+
+# -- learner --------------------------------------------------------------------------------------------------------
+class Throughput(Callback):
+    "Training images per second and peak memory (GPU: `max_memory_allocated`; CPU: the process's peak resident size)"
+    order,run_valid = 100,False
+    def before_fit(self):
+        self.n,self.secs = 0,0.
+        self.on_gpu = torch.device(self.dls.device or 'cpu').type == 'cuda'
+        if self.on_gpu: torch.cuda.reset_peak_memory_stats()
+    def before_train(self): self._sync(); self.t0 = time.perf_counter()
+    def after_batch(self): self.n += find_bs(self.yb)
+    def after_train(self): self._sync(); self.secs += time.perf_counter()-self.t0
+    def _sync(self):
+        if self.on_gpu: torch.cuda.synchronize()
+    @property
+    def images_per_s(self)->float: return self.n/self.secs if self.secs else float('nan')
+    @property
+    def peak_memory_mib(self)->float:
+        if self.on_gpu: return torch.cuda.max_memory_allocated()/2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024   # Linux reports KiB
+
+def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
+                  precision:str='fp32', lr:float=3e-3, seed:int=0, cbs=())->Learner:
+    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step)`, the BatchNorm
+    callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed` (the loaders'
+    shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`."""
+    if bn not in JOB_BN_MODES: raise ValueError(f"`bn` must be one of {JOB_BN_MODES}, got {bn!r}")
+    set_seed(seed, reproducible=True)
+    # fastai loaders draw their shuffling seed from Python's `random` when they are built, before this call: reseed
+    # them, so that the same `seed` gives the same sample order, whatever ran before in the process
+    for i,dl in enumerate(dls.loaders): dl.rng = random.Random(seed+i)
+    model = create_model(arch, dls.c)
+    pretrained = (load_weights(model, weights, arch) if weights else 0) > 0
+    mode = auto_bn(dls.train.bs, n_step, pretrained, has_batchnorm(model)) if bn == 'auto' else bn
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
+                    cbs=[GradientAccumulation(n_step)] + ([BatchNormAccumulation(mode)] if mode != 'none' else [])
+                        + precision_callbacks(precision) + [Throughput()] + list(cbs))
+    learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode,
+                     bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
+    return learn
+
+def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True)->dict:
+    "Fine-tune a `build_learner` Learner with one cycle for `epochs`; return its metrics"
+    lr = lr if lr is not None else learn.lr
+    t0 = time.perf_counter()
+    if progress: learn.fit_one_cycle(epochs, lr)
+    else:
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr)
+    secs = time.perf_counter()-t0
+    rec,ga,tp,job,dls = learn.recorder,learn.gradient_accumulation,learn.throughput,learn.job,learn.dls
+    accs = [float(v[2]) for v in rec.values]
+    mbs = dls.train.bs
+    return dict(accuracy=accs[-1], valid_loss=float(rec.values[-1][1]), accuracy_per_epoch=accs,
+                micro_bs=mbs, effective_bs=mbs*job['n_step'], n_step=job['n_step'], bn=job['bn'], bn_requested=job['bn_requested'],
+                epochs=epochs, optimizer_steps=ga.steps, lr=lr, seed=job['seed'], arch=job['arch'],
+                weights=job['weights'], pretrained=job['pretrained'],
+                n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1),
+                device=describe_device(next(learn.model.parameters()).device), precision=job['precision'],
+                images_per_s=round(tp.images_per_s, 1), peak_memory_mib=round(tp.peak_memory_mib, 1),
+                classes=[str(c) for c in getattr(dls, 'vocab', [])])
+
+# -- outputs --------------------------------------------------------------------------------------------------------
+def plot_training(learn:Learner, metrics:dict, fname):
+    "PNG of the training curves: window loss against optimizer steps, validation accuracy per epoch"
+    from matplotlib.figure import Figure   # no pyplot: no global backend to set
+    fig = Figure(figsize=(10,3.8))
+    a0,a1 = fig.subplots(1, 2)
+    learn.gradient_accumulation.plot_windows(a0)
+    a0.set_title(f"{metrics['micro_bs']} x {metrics['n_step']} = {metrics['effective_bs']} per step, bn={metrics['bn']}")
+    accs = metrics['accuracy_per_epoch']
+    a1.plot(range(1, len(accs)+1), accs, marker='o')
+    a1.set_xlabel('epoch'); a1.set_ylabel('validation accuracy'); a1.set_title(f"final accuracy {accs[-1]:.3f}")
+    a1.set_xticks(range(1, len(accs)+1))
+    fig.tight_layout(); fig.savefig(fname, dpi=100)
+
+def write_metrics(metrics:dict, fname):
+    Path(fname).write_text(json.dumps(metrics, indent=2)+'\n')

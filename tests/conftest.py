@@ -1,0 +1,40 @@
+"Fixtures shared by the test modules. None leaves anything behind: environment changes last one test (monkeypatch)."
+import contextlib, os, socket
+from unittest import mock
+
+import pytest
+
+CACHE_ENV = 'ACCUM_CALLBACK_CACHE'   # = accum_finetune.pretrain.CACHE_ENV (not imported here: it loads torch)
+
+@contextlib.contextmanager
+def torch_threads(n:int):
+    "torch's intra-op threads set to `n` for the block, then put back"
+    import torch
+    old = torch.get_num_threads(); torch.set_num_threads(n)
+    try: yield
+    finally: torch.set_num_threads(old)
+
+@pytest.fixture
+def one_thread():
+    "One torch thread for the test: on two shared cores, one intra-op thread is several times faster than two fighting"
+    with torch_threads(1): yield
+
+@pytest.fixture(scope='session')
+def cache_dir(tmp_path_factory):
+    "A private cache holding the job's pretrained checkpoint, built once per session (the user's cache is never touched)"
+    d = tmp_path_factory.getbasetemp()/'accum_cache'
+    with mock.patch.dict(os.environ, {CACHE_ENV: str(d)}), torch_threads(1):
+        from accum_finetune.pretrain import pretrained_checkpoint
+        pretrained_checkpoint()
+    return d
+
+@pytest.fixture
+def cache(cache_dir, monkeypatch):
+    "The session's checkpoint path; `$ACCUM_CALLBACK_CACHE` points at its cache for this test only (subprocesses and kernels inherit it)"
+    monkeypatch.setenv(CACHE_ENV, str(cache_dir))
+    from accum_finetune.pretrain import checkpoint_path
+    return checkpoint_path()
+
+def free_port()->int:
+    "A TCP port free on this machine now (for a process group's rendezvous)"
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]

@@ -1,0 +1,153 @@
+"""`GradientAccumulation(micro_bs=...)`: loader batches cut into micro-batches, and 'auto' with out-of-memory retries.
+Each run is compared with the one-large-batch run on the same samples (float64: "equal" is 1e-10 relative, seen ~1e-16),
+or with a fixed micro-batch of the size 'auto' found. Out-of-memory errors are simulated on the CPU: a loss or a module
+that raises `torch.OutOfMemoryError` above N items, or once at a chosen call."""
+import warnings
+import pytest, torch, torch.nn as nn, torch.nn.functional as F
+from fastai.callback.core import Callback
+from fastai.callback.schedule import fit_one_cycle   # noqa: F401
+
+from accum_callback import GradientAccumulation, BatchNormAccumulation
+from helpers import MLP, fit_quiet, make_data, make_learner, rel_err
+
+TOL = 1e-10
+F64 = torch.float64
+
+def weights(learn): return torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()])
+
+def bn_buffers(learn): return [b.detach().clone() for n,b in learn.model.named_buffers()]
+
+class OOMAbove:
+    "A training loss that raises `torch.OutOfMemoryError` for a micro-batch of more than `n` items (what a GPU does)"
+    def __init__(self, n, loss=F.mse_loss): self.n,self.loss,self.calls = n,loss,[]
+    def __call__(self, out, targ):
+        if not torch.is_grad_enabled(): return self.loss(out, targ)   # validation
+        self.calls.append(len(out))
+        if len(out) > self.n: raise torch.OutOfMemoryError(f'CUDA out of memory (simulated: {len(out)} > {self.n} items)')
+        return self.loss(out, targ)
+
+class BNDropNet(nn.Module):
+    "BatchNorm and dropout: the running statistics and the dropout masks must replay exactly after an undone attempt"
+    def __init__(self, seed=0, p=0.3):
+        super().__init__(); torch.manual_seed(seed)
+        self.l1,self.bn,self.drop,self.l2 = nn.Linear(5, 16),nn.BatchNorm1d(16),nn.Dropout(p),nn.Linear(16, 3)
+    def forward(self, x): return self.l2(self.drop(torch.tanh(self.bn(self.l1(x)))))
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x): return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        FailOnce.calls += 1
+        if FailOnce.calls == FailOnce.at: raise torch.OutOfMemoryError('CUDA out of memory (simulated, in backward)')
+        return g
+
+class FailOnce(nn.Module):
+    "Raises out of memory once, in the backward of its `at`-th call: the gradients of the layers after it are half-accumulated then"
+    calls,at = 0,None
+    def forward(self, x): return _FailBackward.apply(x)
+
+class BackwardNet(nn.Module):
+    def __init__(self, seed=0, bn=True):
+        super().__init__(); torch.manual_seed(seed)
+        self.l1,self.bn,self.fail,self.l2 = nn.Linear(5, 16),nn.BatchNorm1d(16) if bn else nn.Identity(),FailOnce(),nn.Linear(16, 3)
+    def forward(self, x): return self.l2(self.fail(torch.tanh(self.bn(self.l1(x)))))
+
+def run(ds, bs, cbs, model=None, loss_func=F.mse_loss, epochs=2, one_cycle=False, lr=0.1):
+    learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=loss_func, dtype=F64, lr=lr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging():
+            learn.fit_one_cycle(epochs, lr) if one_cycle else learn.fit(epochs, lr)
+    learn.caught = [str(w.message) for w in caught]
+    return learn
+
+# -- fixed micro_bs -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('bs,micro_bs,ga', [(10, 4, {}), (10, 3, dict(n_step=2)), (8, 8, dict(n_step=2)),
+                                            (6, 4, dict(target_bs=12)), (7, 2, dict(n_step=3, partial='drop'))])
+def test_fixed_micro_bs_equals_unsplit_run(bs, micro_bs, ga):
+    """Cutting loader batches into micro-batches changes nothing: the same windows, steps and weights as the unsplit
+    run (one step per loader batch without n_step/target_bs), one-cycle schedule included"""
+    ds = make_data(46)
+    ref = run(ds, bs, [GradientAccumulation(**(ga or dict(n_step=1)))], one_cycle=True)
+    got = run(ds, bs, [GradientAccumulation(micro_bs=micro_bs, **ga)], one_cycle=True)
+    a,b = got.gradient_accumulation,ref.gradient_accumulation
+    assert a.window_sizes == b.window_sizes and a.micro_bs == micro_bs
+    assert max(a.window_micro) == -(-bs//micro_bs)*(ga.get('n_step') or 1) or ga.get('target_bs')
+    assert rel_err(weights(got), weights(ref)) <= TOL
+
+def test_fixed_micro_bs_pool_statistics_of_the_whole_window():
+    "'pool' with micro_bs: the running statistics the unsplit loader batch leaves (one update per window)"
+    ds = make_data(40)
+    mk = lambda cbs: run(ds, 8, cbs + [BatchNormAccumulation('pool')], model=BNDropNet(p=0.), lr=0.)
+    ref = run(ds, 8, [], model=BNDropNet(p=0.), lr=0.)   # plain BatchNorm on the whole loader batch
+    got = mk([GradientAccumulation(micro_bs=3)])
+    for a,b in zip(bn_buffers(got), bn_buffers(ref)): assert rel_err(a.double(), b.double()) <= TOL
+
+# -- micro_bs='auto' ------------------------------------------------------------------------------------------------
+def test_auto_halves_until_it_fits_and_equals_the_fixed_size_and_the_big_batch():
+    "OOM above 5 items: 16 -> 8 -> 4; every step is the big batch's, and equals a fixed micro_bs=4 run, dropout and BatchNorm included"
+    ds = make_data(64)
+    oom = OOMAbove(5)
+    auto = run(ds, 16, [GradientAccumulation(micro_bs='auto')], model=BNDropNet(), loss_func=oom)
+    fixed = run(ds, 16, [GradientAccumulation(micro_bs=4)], model=BNDropNet())
+    ga = auto.gradient_accumulation
+    assert ga.micro_bs == 4 and ga.window_sizes == fixed.gradient_accumulation.window_sizes == [16]*8
+    assert oom.calls[:3] == [16, 8, 4] and max(oom.calls[3:]) == 4   # the size found is kept
+    assert rel_err(weights(auto), weights(fixed)) <= TOL   # dropout masks replayed: the RNG was put back
+    for a,b in zip(bn_buffers(auto), bn_buffers(fixed)): assert torch.equal(a, b)   # running stats, num_batches_tracked
+    msgs = [m for m in auto.caught if 'out of memory' in m]
+    assert len(msgs) == 2 and 'micro_bs is now 8' in msgs[0] and 'micro_bs is now 4' in msgs[1]
+    # without dropout: the big batch itself
+    ds2 = make_data(64, seed=1)
+    auto = run(ds2, 16, [GradientAccumulation(micro_bs='auto')], model=MLP(), loss_func=OOMAbove(5))
+    big = run(ds2, 16, [], model=MLP())
+    assert rel_err(weights(auto), weights(big)) <= TOL
+
+def test_auto_keeps_the_size_for_the_next_fit():
+    ds = make_data(32)
+    learn = run(ds, 16, [GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(5), epochs=1)
+    oom = learn.loss_func = OOMAbove(5)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert learn.gradient_accumulation.micro_bs == 4 and set(oom.calls) == {4}
+
+def test_oom_in_the_backward_mid_window_is_undone():
+    """Out of memory in the backward of the 2nd micro-batch of a window (n_step 2, loader batches of 8, auto starts at
+    8): the first loader batch's gradient and part of this one's were accumulated then. Undone and retried at 4: the
+    big batch's steps; with 'pool' (lr 0) the big batch's running statistics"""
+    ds = make_data(48)
+    for bn,lr in ((False, 0.1), (True, 0.)):
+        FailOnce.calls,FailOnce.at = 0,4
+        cbs = [GradientAccumulation(n_step=2, micro_bs='auto')] + ([BatchNormAccumulation('pool')] if bn else [])
+        auto = run(ds, 8, cbs, model=BackwardNet(bn=bn), lr=lr)
+        FailOnce.at = None
+        big = run(ds, 16, [], model=BackwardNet(bn=bn), lr=lr)
+        ga = auto.gradient_accumulation
+        assert ga.micro_bs == 4 and ga.window_sizes == [16]*6 and ga.window_micro[:3] == [2, 3, 4]
+        assert rel_err(weights(auto), weights(big)) <= TOL
+        for a,b in zip(bn_buffers(auto), bn_buffers(big)): assert rel_err(a.double(), b.double()) <= TOL
+
+def test_size_one_raises_a_clear_error_and_leaves_the_learner_clean():
+    ds = make_data(16)
+    learn = make_learner(ds, 4, cbs=[GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(0), dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with pytest.raises(RuntimeError, match="micro_bs='auto'.*micro-batch of 1 item"): fit_quiet(learn, 1)
+    assert 'one_batch' not in learn.__dict__ and not isinstance(learn.dl, type(None)) and type(learn.dl).__name__ != 'MicroBatches'
+    assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
+
+def test_other_errors_propagate_untouched_and_are_not_retried():
+    class Boom:
+        calls = 0
+        def __call__(self, out, targ):
+            Boom.calls += 1
+            raise ValueError('boom: not a memory error')
+    learn = make_learner(make_data(16), 8, cbs=[GradientAccumulation(micro_bs='auto')], loss_func=Boom(), dtype=F64)
+    with pytest.raises(ValueError, match='boom: not a memory error'): fit_quiet(learn, 1)
+    assert Boom.calls == 1 and learn.gradient_accumulation.micro_bs == 8
+
+@pytest.mark.parametrize('kw,match', [(dict(micro_bs=0), 'micro_bs'), (dict(micro_bs='big'), 'micro_bs'),
+                                      (dict(micro_bs=2.5), 'micro_bs'), (dict(micro_bs='auto', probe=1), 'probe'),
+                                      (dict(), 'micro_bs')])
+def test_bad_arguments_name_themselves(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match): GradientAccumulation(**kw)
