@@ -91,31 +91,46 @@ class MicroBatches:
         m = self.ga.micro_bs
         return sum(-(-b//m) for b in self._sizes()) if m else len(self.dl)
     def __iter__(self):
-        nb = len(self.dl)
+        nb,bs = len(self.dl),self.dl.bs
         for bi,b in enumerate(self.dl):
             n = find_bs(b)
             self.batch_index,self.batch_n,self.start,self.last_batch = bi,n,0,bi == nb-1
+            # DDP: every rank must run as many micro-batches as the others (fastai's Recorder gathers each one's loss),
+            # so a batch is cut into ceil(loader bs / micro_bs) near-equal pieces, counted on the loader's batch size
+            nom = bs if (self.ga._ddp() and bs) else None
             self.ga._loader_batch_started(n)
             while self.start < n:
-                self.end = min(self.start + self.ga.micro_bs, n)
+                m,left = self.ga.micro_bs,n-self.start
+                if nom is None: size = min(m, left)
+                else: c = max(1, -(-nom//m)); size = -(-left//c)
+                self.end = self.start + size
                 self.last_chunk = self.end == n
+                mark = (self.start, nom)
                 yield _slice(b, self.start, self.end) if (self.start, self.end) != (0, n) else b
-                self.start,self.retry_from = (self.end if self.retry_from is None else self.retry_from),None
+                if self.retry_from is None: self.start = self.end; nom = None if nom is None else max(nom - m, 1)
+                else: (self.start, nom),self.retry_from = mark,None
             self.ga._loader_batch_done(n)
 
 # what an undone micro-batch puts back in the window; not the loader batch's decision (made once, at its first micro-batch)
 _UNDO_FIELDS = tuple(k for k in Window.__slots__ if k not in ('n_units', 'unit_action', 'target'))
 
+class _PeerOutOfMemory(Exception):
+    "Another DDP rank ran out of memory in this micro-batch: this rank undoes it too, and every rank retries smaller"
+
 class _RetryOneBatch:
-    "`learn.one_batch` for `micro_bs='auto'`: a micro-batch that runs out of memory is undone and retried smaller"
+    """`learn.one_batch` for `micro_bs='auto'`: a micro-batch that runs out of memory is undone and retried smaller.
+    Under DDP the ranks agree after each micro-batch's backward (one all-reduce of a flag): if any rank ran out of
+    memory, every rank undoes the micro-batch and all retry at the same smaller size, in step."""
     def __init__(self, learn, ga): self.learn,self.ga,self.orig = learn,ga,learn.one_batch
     def __call__(self, i, b):
         snap = self.ga._snapshot()
         try: return self.orig(i, b)
         except BaseException as e:   # validation batches are not cut: an error there is the user's to see
-            if not (is_out_of_memory(e) and self.learn.training and self.ga._split is not None): raise
+            peer = isinstance(e, _PeerOutOfMemory)
+            if not ((peer or is_out_of_memory(e)) and self.learn.training and self.ga._split is not None): raise
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             e.__traceback__ = None   # its frames hold the attempt's tensors
+        if not peer and self.ga._ddp(): self.ga._agree_on_oom(True)   # the ranks that fitted wait in `after_backward`
         self.ga._undo_micro(snap, msg)
 
 class GradientAccumulation(Callback):
@@ -217,12 +232,9 @@ class GradientAccumulation(Callback):
         add_fit_guard(self.learn, 'gradient_accumulation',   # KeyboardInterrupt, errors (the fit goes on after cancels)
                       lambda e: self._discard_window() or isinstance(e, CANCELS) or self._unhook_loop())
         if self.micro_bs_mode == 'auto':
-            if self.micro_bs is None:   # the loader batch, or what an earlier fit on this Learner found
-                bs = getattr(self.dls.train, 'bs', None)
-                if not bs: raise ValueError("GradientAccumulation(micro_bs='auto') starts from the training loader's batch "
-                                            "size, and this loader has none (`bs=None`): give `micro_bs` a number")
-                self.micro_bs = bs
-            self._probe = None
+            # the loader batch (its first batch's size for a loader of ready-made batches), or what an earlier fit found
+            if self.micro_bs is None: self.micro_bs = getattr(self.dls.train, 'bs', None)
+            # the probe's verdict stands for later fits (an out-of-memory error starts it again)
             self.learn.one_batch = _RetryOneBatch(self.learn, self)
         bs = getattr(self.dls.train, 'bs', None)
         if self.target_bs_sched is not None and bs and not self._warned_divide:
@@ -312,6 +324,8 @@ class GradientAccumulation(Callback):
 
     def after_backward(self):
         w = self.window
+        if self._split is not None and self.micro_bs_mode == 'auto' and self._ddp() and self._agree_on_oom(False):
+            raise _PeerOutOfMemory('another rank ran out of memory in this micro-batch')
         self._exit_no_sync()
         n = w.n
         if n is None: return
@@ -490,6 +504,7 @@ class GradientAccumulation(Callback):
 
     def _loader_batch_started(self, n:int):
         self._serial += 1
+        if self.micro_bs is None: self.micro_bs = n
         p = self._probe
         if p is not None and p['stage'] in ('time_a', 'time_b'): torch.cuda.synchronize(); p['t0'] = time.perf_counter()
 
@@ -513,6 +528,16 @@ class GradientAccumulation(Callback):
             if self.micro_bs == small:
                 warnings.warn(f"GradientAccumulation: micro-batch {small} ran at {rate:.0f} items/s against {p['size']}'s "
                               f"{p['rate_a']:.0f}: micro_bs is now {small}", stacklevel=2)
+
+    def _ddp(self)->bool: return _is_ddp(self.learn.model)
+
+    def _agree_on_oom(self, mine:bool)->bool:
+        "micro_bs='auto' under DDP, after every micro-batch: did any rank run out of memory? (one small all-reduce)"
+        import torch.distributed as dist
+        dev = next(self.learn.model.parameters()).device
+        flag = torch.tensor([1. if mine else 0.], device=dev)
+        dist.all_reduce(flag)
+        return flag.item() > 0
 
     def _sync_ranks(self):
         "micro_bs='auto' under DDP: the gradients all-reduced here (every micro-batch ran under no_sync), and every rank takes the smallest micro_bs"

@@ -110,7 +110,7 @@ class BatchRenorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
-        self.fused = True   # on CUDA: `_RenormFn` (SyncBatchNorm's fused kernels); False: the unfused reference
+        self.fused = True   # `_renorm_fast`, in the input's precision; False: the fp32 unfused reference
 
     def _check_input_dim(self, x):
         if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
@@ -137,8 +137,8 @@ class BatchRenorm(_BatchNorm):
         self.num_batches_tracked.add_(1)
         m = 1/float(self.num_batches_tracked) if self.momentum is None else self.momentum
         w,b = (self.weight, self.bias) if self.affine else (None, None)
-        if x.is_cuda and getattr(self, 'fused', True): return _RenormFn.apply(x, w, b, rm, rv, self.eps, r_max, d_max, m, n)
-        return _renorm_unfused(x, w, b, rm, rv, self.eps, r_max, d_max, m, n)
+        f = _renorm_fast if getattr(self, 'fused', True) else _renorm_unfused
+        return f(x, w, b, rm, rv, self.eps, r_max, d_max, m, n)
 
     def extra_repr(self)->str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
@@ -162,39 +162,17 @@ def _renorm_unfused(x, w, b, rm, rv, eps, r_max, d_max, m, n):
     w2,b2 = (r, d) if w is None else (w*r, torch.addcmul(b, w, d))
     return F.batch_norm(xf, None, None, w2, b2, True, 0., eps).to(x.dtype)
 
-def _layout(x):
-    "The memory format SyncBatchNorm's kernels want for `x`: channels-last where `x` is stored that way"
-    cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if cl else torch.contiguous_format
-
-class _RenormFn(torch.autograd.Function):
-    """CUDA: Batch Renorm with SyncBatchNorm's fused kernels, in the input's precision (fp16/bf16 under autocast
-    included): one statistics pass (`batch_norm_stats`) and one normalising pass (`batch_norm_elemt`) forward, one
-    reduction and one elementwise pass backward, as BatchNorm; r, d and the running statistics are per-channel ops."""
-    @staticmethod
-    def forward(ctx, x, w, b, rm, rv, eps, r_max, d_max, m, n):
-        x = x.contiguous(memory_format=_layout(x))
-        mean,invstd = torch.batch_norm_stats(x, eps)
-        var_b = invstd.pow(-2).sub_(eps)   # the biased batch variance (fp32 statistics, as SyncBatchNorm's)
-        r,d = _correction(mean, invstd.reciprocal(), rm, rv, eps, r_max, d_max)
-        with torch.no_grad(): torch._foreach_lerp_([rm, rv], [mean.to(rm.dtype), (var_b*(n/(n-1))).to(rv.dtype)], m)
-        w2,b2 = (r, d) if w is None else (w.detach()*r, torch.addcmul(b.detach(), w.detach(), d))
-        ctx.save_for_backward(x, w2, mean, invstd, r, d)
-        ctx.affine = w is not None
-        return torch.batch_norm_elemt(x, w2, b2, mean, invstd, eps)
-
-    @staticmethod
-    def backward(ctx, g):
-        x,w2,mean,invstd,r,d = ctx.saved_tensors
-        g = g.contiguous(memory_format=_layout(x))
-        need_x,need_w = ctx.needs_input_grad[0],ctx.affine and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        sum_dy,sum_dy_xmu,gw2,gb2 = torch.batch_norm_backward_reduce(g, x, mean, invstd, w2, need_x, need_w, need_w)
-        gx = gw = gb = None
-        if need_x:
-            count = torch.full((1,), x.numel()//x.shape[1], dtype=torch.int32, device=x.device)
-            gx = torch.batch_norm_backward_elemt(g, x, mean, invstd, w2, sum_dy, sum_dy_xmu, count)
-        if need_w: gw,gb = torch.addcmul(gw2*r, gb2, d),gb2   # w2 = w*r and b2 = w*d + b, with r and d constants
-        return gx,gw,gb,None,None,None,None,None,None,None
+def _renorm_fast(x, w, b, rm, rv, eps, r_max, d_max, m, n):
+    """Batch Renorm in the input's precision: one reduction for the batch statistics (r and d), then BatchNorm's own
+    kernel (cuDNN on a GPU; it needs a weight and a bias to be chosen) with weight w*r and bias w*d + b. No copy of the
+    activations (the unfused reference casts fp16 to fp32 and back); the gradient flows through the batch statistics"""
+    with torch.no_grad():
+        var,mean = torch.var_mean(x, dim=[0, *range(2, x.dim())], correction=0)
+        var,mean = var.to(rm.dtype),mean.to(rm.dtype)
+        r,d = _correction(mean, (var + eps).sqrt(), rm, rv, eps, r_max, d_max)
+        torch._foreach_lerp_([rm, rv], [mean, var*(n/(n-1))], m)
+    w2,b2 = (r, d) if w is None else (w*r, torch.addcmul(b, w, d))
+    return F.batch_norm(x, None, None, w2, b2, True, 0., eps)
 
 # timm's norm-act layers (`BatchNormAct2d`, a BatchNorm2d subclass used by EfficientNet, RegNet, ...) apply dropout and
 # an activation after normalising: a conversion that dropped them would silently change the network.

@@ -19,6 +19,11 @@ _PRECISION = ('auto', 'fp32', 'fp16', 'bf16')   # = `finetune.PRECISIONS`
 
 class UsageError(ValueError): "Bad command-line input, reported as one line"
 
+def _micro_bs(v:str):
+    if v == 'auto': return v
+    try: return int(v)
+    except ValueError: raise argparse.ArgumentTypeError(f"must be a whole number >= 1 or auto, got {v!r}") from None
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message): raise UsageError(message)   # one line, not argparse's usage block
 
@@ -34,7 +39,9 @@ def make_parser()->argparse.ArgumentParser:
       help='a local checkpoint, torchvision weights name (e.g. DEFAULT; downloaded where the network allows) or none. '
            'Default: resnet_tiny starts from its digits 0-4 checkpoint (built and cached on first use); other archs from scratch')
     a('--size', type=int, default=32, help='image side in pixels (default: 32)')
-    a('--micro-bs', type=int, default=4, help='samples per forward/backward (default: 4)')
+    a('--micro-bs', type=_micro_bs, default=4, metavar='N|auto', help='samples per forward/backward, or auto: the '
+      'fastest that fits the GPU, found by halving after an out-of-memory error (the loader batch is then --effective-bs; '
+      'default: 4)')
     g = p.add_mutually_exclusive_group()
     g.add_argument('--effective-bs', type=int, default=None, help='samples per optimizer step (default: 32)')
     g.add_argument('--n-step', type=int, default=None, help='micro-batches per optimizer step (instead of --effective-bs)')
@@ -55,10 +62,14 @@ def check_args(args)->argparse.Namespace:
     "Check the numbers and resolve `n_step`/`effective_bs`, or raise a `UsageError` naming the argument"
     for k in ('micro_bs', 'epochs', 'size', 'threads', 'n_step', 'effective_bs'):
         v = getattr(args, k)
-        if v is not None and v < 1: raise UsageError(f"argument --{k.replace('_','-')}: must be >= 1, got {v}")
+        if v is not None and v != 'auto' and v < 1: raise UsageError(f"argument --{k.replace('_','-')}: must be >= 1, got {v}")
     if not args.lr > 0: raise UsageError(f"argument --lr: must be > 0, got {args.lr}")
     if not 0 < args.valid_pct < 1: raise UsageError(f"argument --valid-pct: must be between 0 and 1, got {args.valid_pct}")
-    if args.n_step is not None: args.effective_bs = args.micro_bs*args.n_step
+    if args.micro_bs == 'auto':   # one loader batch of --effective-bs per step, cut into what fits
+        if args.n_step is not None: raise UsageError("argument --n-step: counts micro-batches of a fixed --micro-bs; with "
+                                                     "--micro-bs auto give --effective-bs")
+        args.effective_bs,args.n_step = 32 if args.effective_bs is None else args.effective_bs,1
+    elif args.n_step is not None: args.effective_bs = args.micro_bs*args.n_step
     else:
         args.effective_bs = 32 if args.effective_bs is None else args.effective_bs
         if args.micro_bs > args.effective_bs:
@@ -77,8 +88,10 @@ def check_args(args)->argparse.Namespace:
     return args
 
 def _summary(m:dict, source:str, files)->str:
+    mb = (f"auto: {m['micro_bs']} found, {m['effective_bs']} per optimizer step" if m.get('micro_bs_mode') == 'auto' else
+          f"{m['micro_bs']} x {m['n_step']} = {m['effective_bs']} per optimizer step")
     rows = [('data', source), ('arch', f"{m['arch']} ({'pretrained: '+m['weights'] if m['pretrained'] else 'from scratch'})"),
-            ('micro_bs x n_step', f"{m['micro_bs']} x {m['n_step']} = {m['effective_bs']} per optimizer step"),
+            ('micro_bs x n_step', mb),
             ('bn', m['bn'] + (' (auto)' if m['bn_requested'] == 'auto' else '')), ('device', m['device']),
             ('precision', m['precision']),
             ('epochs', f"{m['epochs']} ({m['n_train']} train / {m['n_valid']} valid images)"),
@@ -106,12 +119,14 @@ def _run(args)->int:
         from .pretrain import pretrained_checkpoint
         weights = str(pretrained_checkpoint(DEFAULT_ARCH, args.size))
     elif weights == 'none': weights = None
-    dls = (digits_dls(args.micro_bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device) if args.data is None
-           else folder_dls(args.data, args.micro_bs, args.size, args.valid_pct, args.seed, files=images, device=device))
+    auto = args.micro_bs == 'auto'
+    bs = args.effective_bs if auto else args.micro_bs   # the loader batch
+    dls = (digits_dls(bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device) if args.data is None
+           else folder_dls(args.data, bs, args.size, args.valid_pct, args.seed, files=images, device=device))
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
-                              lr=args.lr, seed=args.seed)
+                              lr=args.lr, seed=args.seed, micro_bs='auto' if auto else None)
         m = finetune(learn, args.epochs, args.lr)
         m['data'] = dls.source
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')

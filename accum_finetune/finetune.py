@@ -92,10 +92,11 @@ class Throughput(Callback):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024   # Linux reports KiB
 
 def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
-                  precision:str='fp32', lr:float=3e-3, seed:int=0, cbs=())->Learner:
-    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step)`, the BatchNorm
-    callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed` (the loaders'
-    shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`."""
+                  precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=())->Learner:
+    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step, micro_bs=micro_bs)`,
+    the BatchNorm callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed`
+    (the loaders' shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`, or `micro_bs`
+    items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found)."""
     if bn not in JOB_BN_MODES: raise ValueError(f"`bn` must be one of {JOB_BN_MODES}, got {bn!r}")
     set_seed(seed, reproducible=True)
     # fastai loaders draw their shuffling seed from Python's `random` when they are built, before this call: reseed
@@ -103,9 +104,11 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
     for i,dl in enumerate(dls.loaders): dl.rng = random.Random(seed+i)
     model = create_model(arch, dls.c)
     pretrained = (load_weights(model, weights, arch) if weights else 0) > 0
-    mode = auto_bn(dls.train.bs, n_step, pretrained, has_batchnorm(model)) if bn == 'auto' else bn
+    if bn != 'auto': mode = bn
+    elif micro_bs == 'auto': mode = 'pool' if has_batchnorm(model) else 'none'
+    else: mode = auto_bn(micro_bs or dls.train.bs, n_step*(-(-dls.train.bs//micro_bs) if micro_bs else 1), pretrained, has_batchnorm(model))
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
-                    cbs=[GradientAccumulation(n_step)] + ([BatchNormAccumulation(mode)] if mode != 'none' else [])
+                    cbs=[GradientAccumulation(n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode)] if mode != 'none' else [])
                         + precision_callbacks(precision) + [Throughput()] + list(cbs))
     learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode,
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
@@ -121,9 +124,11 @@ def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True
     secs = time.perf_counter()-t0
     rec,ga,tp,job,dls = learn.recorder,learn.gradient_accumulation,learn.throughput,learn.job,learn.dls
     accs = [float(v[2]) for v in rec.values]
-    mbs = dls.train.bs
+    bs = dls.train.bs
     return dict(accuracy=accs[-1], valid_loss=float(rec.values[-1][1]), accuracy_per_epoch=accs,
-                micro_bs=mbs, effective_bs=mbs*job['n_step'], n_step=job['n_step'], bn=job['bn'], bn_requested=job['bn_requested'],
+                micro_bs=ga.micro_bs or bs, effective_bs=bs*job['n_step'], n_step=job['n_step'],
+                micro_bs_mode='auto' if ga.micro_bs_mode == 'auto' else 'fixed',
+                micro_bs_trials={str(k): round(v, 1) for k,v in ga.micro_bs_trials.items()}, bn=job['bn'], bn_requested=job['bn_requested'],
                 epochs=epochs, optimizer_steps=ga.steps, lr=lr, seed=job['seed'], arch=job['arch'],
                 weights=job['weights'], pretrained=job['pretrained'],
                 n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1),

@@ -2,7 +2,7 @@
 
 Every scenario returns, per rank: the final weights, the optimizer steps, each step's window (the rank's own samples),
 and the gradient all-reduces each micro-batch made (counted by a DDP communication hook)."""
-import contextlib, datetime, os, tempfile, time, traceback
+import contextlib, datetime, os, tempfile, time, traceback, warnings
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,8 +100,15 @@ class DDPSpy(Callback):
             self.buf = []
 
 # -- one scenario ---------------------------------------------------------------------------------------------------
+class SimulatedOOM:
+    "A training loss that raises `torch.OutOfMemoryError` above `n` items on rank `rank` only"
+    def __init__(self, loss, rank, my_rank, n): self.loss,self.on,self.n = loss,rank == my_rank,n
+    def __call__(self, out, targ):
+        if self.on and torch.is_grad_enabled() and len(out) > self.n: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return self.loss(out, targ)
+
 def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=None, bucket_cap_mb=1e-4,
-          seed=0, bn=None, shift=0.):
+          seed=0, bn=None, shift=0., oom=None):
     "Train an MLP (float64) on this rank's shard of `sizes` samples under `ddp`; `ga`: kwargs for `GradientAccumulation`"
     ds = shard(sizes, rank, seed=seed, tokens=tokens)
     if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
@@ -114,13 +121,16 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
         cbs.append(BatchNormAccumulation(bn))
     n_out = ds.tensors[1].shape[1]//(2 if tokens is not None else 1)
     model = (MLP if bn is None else BNMLP)(n_in=5, n_out=n_out, seed=seed).double()
-    learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=masked_mse if tokens is not None else F.mse_loss, lr=LR)
+    loss = masked_mse if tokens is not None else F.mse_loss
+    if oom is not None: loss = SimulatedOOM(loss, oom[0], rank, oom[1])   # (rank, items above which it runs out of memory)
+    learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=loss, lr=LR)
     # a tiny bucket cap: every parameter its own bucket, so the counts check "once per bucket", not just "once"
     learn.model = ddp(model, bucket_cap_mb=bucket_cap_mb) if ddp is not None else model
     counter = count_allreduces(learn.model) if ddp is not None else None
     spy = DDPSpy(counter or _NullCounter())
     learn.add_cb(spy)
-    with learn.no_bar(), learn.no_logging(): learn.fit(n_epoch, lr=LR)
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore'); learn.fit(n_epoch, lr=LR)
     ga_cb = getattr(learn, 'gradient_accumulation', None)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     bn_stats = [model.bn.running_mean.clone(), model.bn.running_var.clone(), model.bn.num_batches_tracked.item()] if bn else None
@@ -128,7 +138,8 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
                 calls=counter.n_calls if counter else 0, n_buckets=len(set(counter.buckets)) if counter else 0,
                 steps=ga_cb.steps if isinstance(ga_cb, GradientAccumulation) else None,
                 window_items=list(ga_cb.window_items) if isinstance(ga_cb, GradientAccumulation) else None,
-                n_dropped=ga_cb.n_dropped if isinstance(ga_cb, GradientAccumulation) else None)
+                n_dropped=ga_cb.n_dropped if isinstance(ga_cb, GradientAccumulation) else None,
+                micro_bs=ga_cb.micro_bs if isinstance(ga_cb, GradientAccumulation) else None)
 
 class CountOnceWrapped(Callback):
     "Register the counting hook once fastai's `DistributedTrainer` (order 11) has wrapped the model"

@@ -78,3 +78,10 @@ def test_pool_and_momentum_ops_do_not_grow_with_batchnorm_layers():
     c = {a: b.op_counts(a, px=16, b=2, k=4, windows=2, modes=('pool', 'momentum')) for a in ('resnet18', 'resnet50')}
     assert c['resnet50']['pool'] <= 24 and abs(c['resnet50']['pool'] - c['resnet18']['pool']) <= 4, c
     assert c['resnet50']['momentum'] == c['resnet18']['momentum'] == 0, c
+
+def test_auto_micro_bs_script_runs_on_cpu():
+    "bench/auto_micro_bs.py's code path on the CPU (tiny sizes, no cap: nothing runs out of memory, figures mean nothing)"
+    res = subprocess.run([sys.executable, str(ROOT/'bench'/'auto_micro_bs.py'), '--device', 'cpu', '--arch', 'resnet18',
+                          '--px', '16', '--bs', '16', '--batches', '2'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "micro_bs='auto': size found" in res.stdout and "/ best fixed micro_bs (" in res.stdout and 'escaped' not in res.stdout

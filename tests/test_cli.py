@@ -91,6 +91,15 @@ def test_timm_arch_with_groupnorm(tmp_path):
     m = json.loads((out/'metrics.json').read_text())
     assert (m['arch'], m['bn'], m['pretrained'], m['optimizer_steps']) == ('timm/resnet10t', 'groupnorm', False, 3)
 
+def test_micro_bs_auto(tmp_path):
+    "--micro-bs auto: loader batches of --effective-bs, cut into what fits (all of it on a CPU: no out-of-memory there)"
+    data,out = make_folder(tmp_path/'imgs'),tmp_path/'out'
+    res = run_cli('--data', data, '--micro-bs', 'auto', '--effective-bs', 8, '--epochs', 1, '--device', 'cpu', '--out', out)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((out/'metrics.json').read_text())
+    assert (m['micro_bs_mode'], m['micro_bs'], m['effective_bs'], m['n_step'], m['bn']) == ('auto', 8, 8, 1, 'pool')
+    assert 'auto: 8 found, 8 per optimizer step' in res.stdout
+
 def make_split_folder(root:Path, n_train=8, n_valid=3)->Path:
     "fastai's `from_folder` default layout: train/ and valid/, each with one sub-folder per class"
     make_folder(root/'train', n=n_train); make_folder(root/'valid', n=n_valid, seed=1)
@@ -185,6 +194,8 @@ def test_existing_out_left_alone(tmp_path):
     (('--device', 'gpu'), ('--device', 'gpu')),
     (('--device', 'cuda:99'), ('--device', 'cuda:99')),   # no GPU here, or fewer than 100
     (('--precision', 'fp8'), ('--precision', 'fp8')),
+    (('--micro-bs', 'big'), ('--micro-bs', 'big', 'auto')),
+    (('--micro-bs', 'auto', '--n-step', 4), ('--n-step', '--micro-bs auto', '--effective-bs')),
     (('--device', 'cpu', '--precision', 'fp16'), ('--precision', 'fp16', '--device cuda')),   # autocast on CUDA only
 ])
 def test_bad_arguments(tmp_path, args, names):

@@ -33,6 +33,12 @@ def learner(ds, bs, model, cbs=(), opt_func=SGD, lr=0.1, loss_func=F.mse_loss, v
     learn.recorder.train_metrics = False
     return learn
 
+class _ScaleLog(Callback):
+    "The GradScaler's scale after every step (MixedPrecision drops the scaler at the end of fit)"
+    order = MixedPrecision.order+1
+    def before_fit(self): self.scales = []
+    def after_step(self): self.scales.append(self.learn.scaler.get_scale())
+
 def w(learn): return flat([p.detach().float().cpu() for p in learn.model.parameters()])
 
 # -- mixed precision (BatchNorm-free model) ---------------------------------------------------------------------------
@@ -57,11 +63,12 @@ def test_fp16_overflowing_windows_skipped_whole():
     # windows some overflow and some step for |g| from 2**-13 to 2**33 (2**120 never came under the limit in 12 windows)
     n = 768
     ds = make_data(n, n_in=32)
-    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**30)], SGD, 0.1))
+    log = _ScaleLog()   # MixedPrecision drops the scaler at the end of fit
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**30), log], SGD, 0.1))
     ga = acc.gradient_accumulation
     n_win = n//16
     assert ga.steps + ga.n_step_cancelled == n_win and 0 < ga.n_step_cancelled < n_win
-    assert acc.scaler.get_scale() == 2.**30 * 0.5**ga.n_step_cancelled   # growth_interval 2000: no growth yet
+    assert log.scales[-1] == 2.**30 * 0.5**ga.n_step_cancelled   # growth_interval 2000: no growth yet
     skipped = ga.n_step_cancelled   # overflow only at the start, while the scale is too large
     keep = torch.arange(16*skipped, n)
     ref_ds = TensorDataset(*[t[keep] for t in ds.tensors])
@@ -147,8 +154,8 @@ def test_renorm_conversion_eval_output_and_training(channels_last):
 @needs_gpu
 @pytest.mark.parametrize('dtype,channels_last', [(torch.float32, False), (torch.float32, True), (torch.float16, True), (torch.bfloat16, False)])
 def test_fused_renorm_equals_reference(dtype, channels_last):
-    """CUDA's fused Batch Renorm (SyncBatchNorm's kernels) against the unfused reference, same layer state: output,
-    input/weight/bias gradients and running statistics, past the ramp so r and d clip"""
+    """Batch Renorm in the input's precision (one reduction, then cuDNN's BatchNorm) against the fp32 unfused reference, same layer state:
+    output, input/weight/bias gradients and running statistics, past the ramp so r and d clip"""
     torch.manual_seed(0)
     x0 = (torch.randn(8, 16, 6, 6, device=DEVICE)*3 + 1).to(dtype)
     if channels_last: x0 = x0.contiguous(memory_format=torch.channels_last)
@@ -166,6 +173,27 @@ def test_fused_renorm_equals_reference(dtype, channels_last):
     tol = 1e-4 if dtype == torch.float32 else 2e-2   # relative, on norms
     for name,a,b in zip(('out', 'dx', 'dw', 'db', 'running_mean', 'running_var'), *res):
         assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+class _OOMAbove:
+    "A training loss that raises `torch.OutOfMemoryError` above `n` items"
+    def __init__(self, n): self.n = n
+    def __call__(self, out, targ):
+        if torch.is_grad_enabled() and len(out) > self.n: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return F.mse_loss(out, targ)
+
+@needs_gpu
+def test_auto_micro_bs_fp16_replays_like_the_fixed_size():
+    """micro_bs='auto' under fp16, out of memory above 8 items (simulated): the undone attempts leave no trace in the
+    GradScaler (its scale after every step is the fixed micro_bs=8 run's) and the weights are that run's"""
+    ds = make_data(256, n_in=32)
+    def run(ga, loss):
+        log = _ScaleLog()
+        learn = fit_silent(learner(ds, 32, MLP(32, seed=0), [ga, MixedPrecision(init_scale=2.**10), log], SGD, 0.1, loss_func=loss))
+        return learn,log.scales
+    auto,s_auto = run(GradientAccumulation(micro_bs='auto', probe=False), _OOMAbove(8))
+    fixed,s_fixed = run(GradientAccumulation(micro_bs=8), F.mse_loss)
+    assert auto.gradient_accumulation.micro_bs == 8 and s_auto == s_fixed and len(s_auto) == 8
+    assert rel_err(w(auto), w(fixed)) <= 1e-6
 
 # -- DDP over NCCL (world size 1 on one GPU) -----------------------------------------------------------------------------
 @pytest.fixture

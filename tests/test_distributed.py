@@ -26,6 +26,9 @@ SCENARIOS = dict(
     # per-rank BatchNorm (rank 1's inputs shifted: its statistics differ), BatchNormAccumulation('pool')
     bn_pool       = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1.),
     bn_pool_uneven= dict(sizes=[14,16], ga=dict(n_step=4), bn='pool', shift=1.),
+    # micro_bs: loader batches of 8 cut into micro-batches; 'auto' with an out-of-memory error on rank 1 only
+    micro3        = dict(sizes=[28,32], bs=8, ga=dict(n_step=2, micro_bs=3)),
+    auto_oom_rank1= dict(sizes=[32,32], bs=8, ga=dict(micro_bs='auto'), oom=(1, 3)),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
 
@@ -143,3 +146,22 @@ def test_bn_pool_per_rank(runs, name):
 
 def test_count_allreduces_needs_ddp():
     with pytest.raises(TypeError, match='DistributedDataParallel'): count_allreduces(torch.nn.Linear(2, 2))
+
+# micro_bs ---------------------------------------------------------------------------------------------------------------
+def test_fixed_micro_bs_under_ddp(runs):
+    """micro_bs=3 on loader batches of 8 (8 -> 3,3,2; rank 0's last batch of 4 -> 2,1,1: as many micro-batches on
+    every rank), n_step 2: one all-reduce round per step, the large batch's weights"""
+    r0,r1 = get(runs, 'micro3')
+    check_one_round_per_step(r0); check_one_round_per_step(r1)
+    assert len(r0['micro']) == len(r1['micro']) == 24 and r0['micro_bs'] == r1['micro_bs'] == 3
+    assert [m['bs'] for m in r0['micro'][-3:]] == [2, 1, 1] and [m['bs'] for m in r1['micro'][-3:]] == [3, 3, 2]
+    check_large_batch(r0, r1)
+
+def test_auto_oom_on_one_rank_all_ranks_agree(runs):
+    """micro_bs='auto', out of memory above 3 items on rank 1 only: the ranks agree after each micro-batch, so rank 0
+    undoes its own (fitting) micro-batch too and both retry at 4, then 2, in step: no deadlock (fastai gathers every
+    micro-batch's loss), no rank stepping alone, both at micro_bs 2, both holding the large batch's weights"""
+    r0,r1 = get(runs, 'auto_oom_rank1')
+    assert r0['micro_bs'] == r1['micro_bs'] == 2 and r0['steps'] == r1['steps'] == 8
+    assert [m['bs'] for m in r0['micro']] == [m['bs'] for m in r1['micro']] == [2]*32   # the undone attempts log nothing
+    check_large_batch(r0, r1)
