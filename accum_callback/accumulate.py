@@ -182,7 +182,7 @@ class GradientAccumulation(Callback):
     @property
     def window_n_step(self)->int:
         "Micro-batches a full window takes now (for `target_bs`: at the training loader's batch size)"
-        t,bs = self.window.target,self.dls.train.bs
+        t,bs = self.window.target,self.dls.train.bs or self.window.bs or 1   # a loader of ready-made batches has no bs
         if self.n_step_sched is not None: k = t if t else self.n_step_sched()
         else: k = max(1, math.ceil((t if t else self.target_bs_sched())/bs))
         if self.micro_bs and bs: k *= math.ceil(bs/self.micro_bs)   # loader batches, each cut into micro-batches

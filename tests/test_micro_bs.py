@@ -8,7 +8,7 @@ from fastai.callback.core import Callback
 from fastai.callback.schedule import fit_one_cycle   # noqa: F401
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
-from helpers import MLP, fit_quiet, make_data, make_learner, rel_err
+from helpers import MLP, Float64Smoothing, fit_quiet, make_data, make_learner, rel_err
 
 TOL = 1e-10
 F64 = torch.float64
@@ -151,3 +151,18 @@ def test_other_errors_propagate_untouched_and_are_not_retried():
                                       (dict(), 'micro_bs')])
 def test_bad_arguments_name_themselves(kw, match):
     with pytest.raises((ValueError, TypeError), match=match): GradientAccumulation(**kw)
+
+def test_ready_made_batches_target_bs_and_momentum():
+    "A loader of ready-made batches (`bs=None`): target_bs, 'momentum' (reads micro-batches per window) and micro_bs run"
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    ds = make_data(24)
+    x,y = ds.tensors
+    batches = [(x[i:i+6].double(), y[i:i+6].double()) for i in range(0, 24, 6)]
+    dls = DataLoaders(DataLoader(batches, bs=None), DataLoader(batches[:1], bs=None), device='cpu')
+    from fastai.learner import Learner
+    learn = Learner(dls, BNDropNet(p=0.).double(), loss_func=F.mse_loss, lr=0.1,
+                    cbs=[GradientAccumulation(target_bs=12, micro_bs='auto'), BatchNormAccumulation('momentum'), Float64Smoothing()])
+    fit_quiet(learn, 1)
+    ga = learn.gradient_accumulation
+    assert ga.micro_bs == 6 and ga.window_sizes == [12, 12]
