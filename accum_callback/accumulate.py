@@ -502,25 +502,31 @@ class GradientAccumulation(Callback):
         warnings.warn(f"GradientAccumulation: out of memory with micro-batch {size} ({msg}); micro_bs is now {size//2}, "
                       "and the same samples run again", stacklevel=2)
 
+    def _probe_here(self)->bool: "Time sizes only on a GPU (the size matters there)"; return next(self.learn.model.parameters()).is_cuda
+    def _clock(self)->float:
+        "Seconds, once the GPU has finished what was queued"
+        if torch.cuda.is_available() and next(self.learn.model.parameters()).is_cuda: torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _loader_batch_started(self, n:int):
         self._serial += 1
         if self.micro_bs is None: self.micro_bs = n
         p = self._probe
-        if p is not None and p['stage'] in ('time_a', 'time_b'): torch.cuda.synchronize(); p['t0'] = time.perf_counter()
+        if p is not None and p['stage'] in ('time_a', 'time_b'): p['t0'] = self._clock()
 
     def _loader_batch_done(self, n:int):
         "micro_bs='auto' on a GPU, outside DDP: once a size has run a loader batch, time it and the next smaller; keep the faster"
         if not (self.micro_bs_mode == 'auto' and self.probe) or _is_ddp(self.learn.model): return
-        if next(self.learn.model.parameters()).device.type != 'cuda': return
+        if not self._probe_here(): return
         p = self._probe
         if p is None: self._probe = dict(stage='time_a' if self.micro_bs >= 2 else 'done', size=self.micro_bs); return
         if p['stage'] == 'time_a':
-            torch.cuda.synchronize(); p['rate_a'] = n/(time.perf_counter()-p['t0'])
+            p['rate_a'] = n/(self._clock()-p['t0'])
             self.micro_bs_trials[p['size']] = p['rate_a']
             self.micro_bs,p['stage'] = p['size']//2,'warm_b'
         elif p['stage'] == 'warm_b': p['stage'] = 'time_b'   # cuDNN picks its algorithms for the new shapes first
         elif p['stage'] == 'time_b':
-            torch.cuda.synchronize(); rate = n/(time.perf_counter()-p['t0'])
+            rate = n/(self._clock()-p['t0'])
             small = p['size']//2
             self.micro_bs_trials[small] = rate
             self.micro_bs = small if rate > p['rate_a'] else p['size']

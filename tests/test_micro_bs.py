@@ -166,3 +166,35 @@ def test_ready_made_batches_target_bs_and_momentum():
     fit_quiet(learn, 1)
     ga = learn.gradient_accumulation
     assert ga.micro_bs == 6 and ga.window_sizes == [12, 12]
+
+def test_probe_keeps_the_faster_neighbour_and_its_verdict(monkeypatch):
+    """The probe (GPU only; here with a simulated clock on the CPU): once 8 ran a loader batch, it times 8 and then 4,
+    keeps 4 when 4 is faster, says so, and does not probe again in the next fit (re-probing in every fit cost a timed
+    epoch a quarter of its speed on an H100); the steps stay the big batch's"""
+    speed = {8: 100., 4: 150., 2: 50.}   # simulated items/s per micro-batch size
+    clock = [0.]
+    def loss(out, targ):
+        clock[0] += len(out)/speed[len(out)]   # the micro-batch "takes" this long
+        return F.mse_loss(out, targ)
+    monkeypatch.setattr(GradientAccumulation, '_probe_here', lambda self: True)
+    monkeypatch.setattr(GradientAccumulation, '_clock', lambda self: clock[0])
+    ds = make_data(48)
+    learn = run(ds, 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
+    ga = learn.gradient_accumulation
+    assert ga.micro_bs == 4 and ga.micro_bs_trials == pytest.approx({8: 100., 4: 150.})
+    assert any('micro_bs is now 4' in m for m in learn.caught)
+    big = run(ds, 8, [], epochs=1)
+    assert rel_err(weights(learn), weights(big)) <= TOL
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert ga.micro_bs == 4 and len(ga.micro_bs_trials) == 2   # no second probe
+
+def test_probe_keeps_the_larger_size_when_it_is_faster(monkeypatch):
+    speed = {8: 200., 4: 150.}
+    clock = [0.]
+    def loss(out, targ):
+        clock[0] += len(out)/speed[len(out)]
+        return F.mse_loss(out, targ)
+    monkeypatch.setattr(GradientAccumulation, '_probe_here', lambda self: True)
+    monkeypatch.setattr(GradientAccumulation, '_clock', lambda self: clock[0])
+    learn = run(make_data(48), 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
+    assert learn.gradient_accumulation.micro_bs == 8 and not any('micro_bs is now' in m for m in learn.caught)
