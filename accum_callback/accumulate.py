@@ -70,13 +70,13 @@ def _slice(b, s:int, e:int):
                     "only tensors and tuples/lists of them (give the loader micro-batches instead, with `n_step`)")
 
 class MicroBatches:
-    """The training loader with each of its batches cut into micro-batches of `ga.micro_bs` items (the last of a batch
-    may be shorter), read by fastai's loop in place of `learn.dl` during the training phase. Everything else is the
-    real loader's (`bs`, `device`, `dataset`, ...). After an out-of-memory error `retry_from` makes it cut the same
-    samples again, at the size in force then."""
+    """The training loader with each of its batches cut into `ceil(n / ga.micro_bs)` near-equal micro-batches (none
+    larger than `micro_bs`, none needlessly small: a BatchNorm layer cannot train on one item), read by fastai's loop in
+    place of `learn.dl` during the training phase. Everything else is the real loader's (`bs`, `device`, `dataset`,
+    ...). After an out-of-memory error `retry` makes it cut the same samples again, at the size in force then."""
     def __init__(self, dl, ga):
         self.dl,self.ga = dl,ga
-        self.batch_index,self.batch_n,self.start,self.end,self.retry_from = -1,0,0,0,None
+        self.batch_index,self.batch_n,self.start,self.end,self.retry = -1,0,0,0,False
         self.last_chunk = self.last_batch = False
     def __getattr__(self, k):
         if k == 'dl': raise AttributeError(k)
@@ -95,20 +95,18 @@ class MicroBatches:
         for bi,b in enumerate(self.dl):
             n = find_bs(b)
             self.batch_index,self.batch_n,self.start,self.last_batch = bi,n,0,bi == nb-1
-            # DDP: every rank must run as many micro-batches as the others (fastai's Recorder gathers each one's loss),
-            # so a batch is cut into ceil(loader bs / micro_bs) near-equal pieces, counted on the loader's batch size
+            # The pieces left are counted on the items left; under DDP on the loader's batch size less `micro_bs` per
+            # piece cut, so that a rank's short last batch is cut into as many pieces as the others' (fastai's
+            # Recorder gathers every one)
             nom = bs if (self.ga._ddp() and bs) else None
             self.ga._loader_batch_started(n)
             while self.start < n:
                 m,left = self.ga.micro_bs,n-self.start
-                if nom is None: size = min(m, left)
-                else: c = max(1, -(-nom//m)); size = -(-left//c)
-                self.end = self.start + size
+                self.end = self.start + -(-left//max(1, -(-(left if nom is None else nom)//m)))
                 self.last_chunk = self.end == n
-                mark = (self.start, nom)
                 yield _slice(b, self.start, self.end) if (self.start, self.end) != (0, n) else b
-                if self.retry_from is None: self.start = self.end; nom = None if nom is None else max(nom - m, 1)
-                else: (self.start, nom),self.retry_from = mark,None
+                if self.retry: self.retry = False   # the same samples again, at the size in force now
+                else: self.start,nom = self.end,(None if nom is None else max(nom - m, 1))
             self.ga._loader_batch_done(n)
 
 # what an undone micro-batch puts back in the window; not the loader batch's decision (made once, at its first micro-batch)
@@ -498,7 +496,7 @@ class GradientAccumulation(Callback):
                                "a smaller model or smaller inputs") from None
         self.micro_bs,self._probe = size//2,None
         sp = self._split
-        sp.retry_from = sp.start
+        sp.retry = True
         warnings.warn(f"GradientAccumulation: out of memory with micro-batch {size} ({msg}); micro_bs is now {size//2}, "
                       "and the same samples run again", stacklevel=2)
 

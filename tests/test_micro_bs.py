@@ -76,6 +76,18 @@ def test_fixed_micro_bs_equals_unsplit_run(bs, micro_bs, ga):
     assert max(a.window_micro) == -(-bs//micro_bs)*(ga.get('n_step') or 1) or ga.get('target_bs')
     assert rel_err(weights(got), weights(ref)) <= TOL
 
+def test_pieces_are_near_equal_so_batchnorm_never_sees_one_item():
+    """16 items at micro_bs 5 are cut 4, 4, 4, 4 (not 5, 5, 5, 1: BatchNorm cannot train on one item, which made such a
+    fit raise), 10 are cut 5, 5: as many pieces as micro_bs asks, none larger"""
+    seen = []
+    class Sizes(Callback):
+        run_valid = False
+        def after_pred(self): seen.append(len(self.yb[0]))
+    ds = make_data(26)
+    learn = run(ds, 16, [GradientAccumulation(micro_bs=5), Sizes()], model=BNDropNet(p=0.), epochs=1)
+    assert seen == [4, 4, 4, 4, 5, 5] and learn.gradient_accumulation.window_sizes == [16, 10]
+    assert max(learn.gradient_accumulation.window_micro) == 4
+
 def test_fixed_micro_bs_pool_statistics_of_the_whole_window():
     "'pool' with micro_bs: the running statistics the unsplit loader batch leaves (one update per window)"
     ds = make_data(40)
