@@ -77,6 +77,7 @@ class MicroBatches:
     def __init__(self, dl, ga):
         self.dl,self.ga = dl,ga
         self.batch_index,self.batch_n,self.start,self.end,self.retry = -1,0,0,0,False
+        self.decided = None   # the GradientAccumulation serial of the loader batch whose window action is decided
         self.last_chunk = self.last_batch = False
     def __getattr__(self, k):
         if k == 'dl': raise AttributeError(k)
@@ -183,7 +184,7 @@ class GradientAccumulation(Callback):
         t,bs = self.window.target,self.dls.train.bs or self.window.bs or 1   # a loader of ready-made batches has no bs
         if self.n_step_sched is not None: k = t if t else self.n_step_sched()
         else: k = max(1, math.ceil((t if t else self.target_bs_sched())/bs))
-        if self.micro_bs and bs: k *= math.ceil(bs/self.micro_bs)   # loader batches, each cut into micro-batches
+        if self.micro_bs: k *= math.ceil(bs/self.micro_bs)   # loader batches, each cut into micro-batches
         return k
     @property
     def window_start(self)->bool: "Is the micro-batch being processed the first of its window?"; return self.window.n_micro == 0
@@ -268,12 +269,12 @@ class GradientAccumulation(Callback):
         if self._new_fit: self._reset_logs(); self._new_fit = False
         self._end_micro()   # the last micro-batch's `after_batch` did not reach us (cancelled by a callback before us)
         bs = find_bs(learn.yb if len(learn.yb) else learn.xb)
-        ddp = _is_ddp(learn.model)
+        ddp = self._ddp()
         if sp is None:   # a micro-batch is a loader batch: decide at each
             if not w.n_micro: w.target = self.sched(learn.pct_train, learn.epoch)
             action = self._decide(bs, w.n_micro, w.n_samples, learn.iter == learn.n_iter-1, ddp)
         else:   # `micro_bs`: decide once per loader batch (a retried micro-batch keeps it); its last micro-batch acts
-            if getattr(sp, 'decided', None) != self._serial:
+            if sp.decided != self._serial:
                 if not w.n_units: w.target = self.sched(learn.pct_train, learn.epoch)
                 w.unit_action = self._decide(sp.batch_n, w.n_units, w.n_samples, sp.last_batch, ddp)
                 w.n_units += 1; sp.decided = self._serial
@@ -281,7 +282,7 @@ class GradientAccumulation(Callback):
         w.start_micro(bs, action)
         # DDP: only the micro-batch that steps all-reduces; the others accumulate locally. With micro_bs='auto' none
         # does: a rank may retry a micro-batch, so the gradients are all-reduced in `before_step`, after the ranks agree
-        manual = ddp and self.micro_bs_mode == 'auto'
+        manual = self._ranks_retry()
         if action != 'step' or manual: w.no_sync = enter_no_sync(learn.model)
         if manual and not self._checked_sync_bn:
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in learn.model.modules()):
@@ -313,7 +314,7 @@ class GradientAccumulation(Callback):
             w.hypers = [dict(h) for h in learn.opt.hypers]
             # Loss scale reference: the backward loss keeps the size of one mean-reduced loss. Under DDP every rank
             # needs the same constant, so it is the loader's batch size there.
-            w.ref = float(learn.dls.train.bs) if _is_ddp(learn.model) else (n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1))
+            w.ref = float(learn.dls.train.bs) if self._ddp() else (n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1))
         w.n = n
         learn.loss_grad = learn.loss_grad * (n/w.ref)
 
@@ -322,7 +323,7 @@ class GradientAccumulation(Callback):
 
     def after_backward(self):
         w = self.window
-        if self._split is not None and self.micro_bs_mode == 'auto' and self._ddp() and self._agree_on_oom(False):
+        if self._split is not None and self._ranks_retry() and self._agree_on_oom(False):
             raise _PeerOutOfMemory('another rank ran out of memory in this micro-batch')
         self._exit_no_sync()
         n = w.n
@@ -344,7 +345,7 @@ class GradientAccumulation(Callback):
         if w.action == 'drop': self.n_dropped += 1; self._close(False); raise CancelBatchException()
         if not (items > 0 and math.isfinite(loss_sum)):
             if self.skip_nonfinite or items <= 0: self.n_skipped += 1; self._close(False); raise CancelBatchException()
-        if _is_ddp(self.learn.model) and self.micro_bs_mode == 'auto': self._sync_ranks(); world = 1
+        if self._ranks_retry(): self._sync_ranks(); world = 1
         else: world = world_size(self.learn.model)   # DDP averaged the gradients over the ranks
         scale = float(w.ref)*world/items
         grads = [p.grad for p,*_ in self.learn.opt.all_params(with_grad=True)]
@@ -483,8 +484,9 @@ class GradientAccumulation(Callback):
         if snap['grads'] and st['grad_copy'] is not None:
             ps,copy = st['grad_copy']
             torch._foreach_copy_([p.grad for p in ps], copy)
+            kept = set(map(id, ps))
             for p in st['params']:
-                if p.grad is not None and not any(p is q for q in ps): p.grad.zero_()
+                if p.grad is not None and id(p) not in kept: p.grad.zero_()
         else:
             for p in st['params']:
                 if p.grad is not None: p.grad.zero_()
@@ -514,7 +516,7 @@ class GradientAccumulation(Callback):
 
     def _loader_batch_done(self, n:int):
         "micro_bs='auto' on a GPU, outside DDP: once a size has run a loader batch, time it and the next smaller; keep the faster"
-        if not (self.micro_bs_mode == 'auto' and self.probe) or _is_ddp(self.learn.model): return
+        if not (self.micro_bs_mode == 'auto' and self.probe) or self._ddp(): return
         if not self._probe_here(): return
         p = self._probe
         if p is None: self._probe = dict(stage='time_a' if self.micro_bs >= 2 else 'done', size=self.micro_bs); return
@@ -534,17 +536,15 @@ class GradientAccumulation(Callback):
                               f"{p['rate_a']:.0f}: micro_bs is now {small}", stacklevel=2)
 
     def _ddp(self)->bool: return _is_ddp(self.learn.model)
+    def _ranks_retry(self)->bool: "micro_bs='auto' under DDP: the ranks agree on every retry"; return self.micro_bs_mode == 'auto' and self._ddp()
 
     def _agree_on_oom(self, mine:bool)->bool:
         "micro_bs='auto' under DDP, after every micro-batch: did any rank run out of memory? (one small all-reduce)"
-        import torch.distributed as dist
-        dev = next(self.learn.model.parameters()).device
-        flag = torch.tensor([1. if mine else 0.], device=dev)
-        dist.all_reduce(flag)
-        return flag.item() > 0
+        return sum_over_ranks([float(mine)], self.learn.model)[0] > 0
 
     def _sync_ranks(self):
-        "micro_bs='auto' under DDP: the gradients all-reduced here (every micro-batch ran under no_sync), and every rank takes the smallest micro_bs"
+        """micro_bs='auto' under DDP: the gradients all-reduced here (every micro-batch ran under no_sync). The ranks'
+        micro_bs need no agreeing: they start alike, halve together and do not probe"""
         import torch.distributed as dist
         params = [p for p,*_ in self.learn.opt.all_params()]
         for p in params:
@@ -555,9 +555,6 @@ class GradientAccumulation(Callback):
             flat = torch._utils._flatten_dense_tensors(gs)
             dist.all_reduce(flat)
             torch._foreach_copy_(gs, list(torch._utils._unflatten_dense_tensors(flat, gs)))
-        m = torch.tensor([self.micro_bs], device=params[0].device if params else 'cpu')
-        dist.all_reduce(m, op=dist.ReduceOp.MIN)
-        self.micro_bs = int(m.item())
 
     def plot_windows(self, ax=None):
         "Plot each optimizer step's item-weighted window loss against optimizer steps"

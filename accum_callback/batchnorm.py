@@ -75,7 +75,7 @@ class PooledStats:
         self.scratch = torch.zeros((), dtype=torch.long, device=dev)   # takes BatchNorm's `num_batches_tracked += 1`
         self.S,self.views,self.cap = None,[],0
         self.grow(cap)
-        self.used,self.counts = [0]*L,[[] for _ in bns]   # slots the window holds per layer, and their item counts
+        self.counts = [[] for _ in bns]   # per layer, the item count of each slot the window holds
         self.pending,self.n_pend = [],[0]*L   # (layer, items) of each forward of the micro-batch in progress; per layer
         self.stash = [None]*L
         self._pin,self._host,self._event = dev.type == 'cuda',None,None
@@ -93,7 +93,7 @@ class PooledStats:
         bank,stash,world = self,self.stash,sync_batchnorm_world(self.bns[l])
         def pre(bn, inp):
             if not bn.training: return
-            j = bank.used[l] + bank.n_pend[l]
+            j = len(bank.counts[l]) + bank.n_pend[l]
             if j >= bank.cap: bank.grow(max(j+1, 2*bank.cap))
             b = bn._buffers   # the dict itself: `Module.__setattr__` costs more than the rest of the hook
             stash[l] = (b['running_mean'], b['running_var'], b['num_batches_tracked'])
@@ -112,10 +112,10 @@ class PooledStats:
         "The micro-batch's backward ran and counts (its slots join the window), or not (they are cleared for reuse)"
         if not self.pending: return
         for l,n in self.pending:
-            if counted: self.used[l] += 1; self.counts[l].append(n)
+            if counted: self.counts[l].append(n)
             else:   # rare (another callback cancelled the backward): its graph is gone, so the slot can be cleared
                 self.n_pend[l] -= 1
-                for v in self.views[l][self.used[l] + self.n_pend[l]]: v.zero_()
+                for v in self.views[l][len(self.counts[l]) + self.n_pend[l]]: v.zero_()
         self.pending,self.n_pend = [],[0]*len(self.bns)
 
     def restore_buffers(self):
@@ -128,10 +128,10 @@ class PooledStats:
     def close(self, stepped:bool):
         "The window is over: one running-statistics update per layer if it stepped, none if not; the slots are cleared"
         self.end_micro(False)
-        J = max(self.used, default=0)
+        J = max(map(len, self.counts), default=0)
         if J and stepped: self._apply(J)
         if J: self.S[:J].zero_()
-        self.used,self.counts = [0]*len(self.bns),[[] for _ in self.bns]
+        self.counts = [[] for _ in self.bns]
 
     def _apply(self, J:int):
         L = len(self.bns)
