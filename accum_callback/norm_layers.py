@@ -110,7 +110,7 @@ class BatchRenorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
-        self.fused = True   # `_renorm_fast`, in the input's precision; False: the fp32 unfused reference
+        self.fused = True   # compute in the input's precision; False: through a float32 copy (`_renorm`'s reference)
 
     def _check_input_dim(self, x):
         if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
@@ -137,8 +137,7 @@ class BatchRenorm(_BatchNorm):
         self.num_batches_tracked.add_(1)
         m = 1/float(self.num_batches_tracked) if self.momentum is None else self.momentum
         w,b = (self.weight, self.bias) if self.affine else (None, None)
-        f = _renorm_fast if getattr(self, 'fused', True) else _renorm_unfused
-        return f(x, w, b, rm, rv, self.eps, r_max, d_max, m, n)
+        return _renorm(x, w, b, rm, rv, self.eps, r_max, d_max, m, n, fp32=not getattr(self, 'fused', True))
 
     def extra_repr(self)->str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
@@ -151,28 +150,19 @@ def _correction(mean, std_b, rm, rv, eps, r_max, d_max):
     inv_r = (rv + eps).rsqrt()
     return (std_b*inv_r).clamp_(1/r_max, r_max),((mean-rm)*inv_r).clamp_(-d_max, d_max)
 
-def _renorm_unfused(x, w, b, rm, rv, eps, r_max, d_max, m, n):
-    """Any device: (x-mean_B)/std_B*r + d, then the affine, through BatchNorm's kernel with weight w*r and bias w*d + b
-    (differentiating through the batch statistics, as Batch Renorm does)"""
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+def _renorm(x, w, b, rm, rv, eps, r_max, d_max, m, n, fp32=False):
+    """(x-mean_B)/std_B*r + d, then the affine: one reduction for the batch statistics (r and d), then BatchNorm's own
+    kernel (cuDNN on a GPU; it needs a weight and a bias to be chosen) with weight w*r and bias w*d + b, differentiating
+    through the batch statistics as Batch Renorm does. In the input's precision (no copy of the activations), or with
+    `fp32` through a float32 copy and back (the reference `tests/test_cuda.py` compares the first against)"""
+    xf = x.float() if fp32 and x.dtype not in (torch.float32, torch.float64) else x
     with torch.no_grad():
         var,mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
-        r,d = _correction(mean, (var + eps).sqrt(), rm, rv, eps, r_max, d_max)
-        torch._foreach_lerp_([rm, rv], [mean.to(rm.dtype), (var*(n/(n-1))).to(rv.dtype)], m)
-    w2,b2 = (r, d) if w is None else (w*r, torch.addcmul(b, w, d))
-    return F.batch_norm(xf, None, None, w2, b2, True, 0., eps).to(x.dtype)
-
-def _renorm_fast(x, w, b, rm, rv, eps, r_max, d_max, m, n):
-    """Batch Renorm in the input's precision: one reduction for the batch statistics (r and d), then BatchNorm's own
-    kernel (cuDNN on a GPU; it needs a weight and a bias to be chosen) with weight w*r and bias w*d + b. No copy of the
-    activations (the unfused reference casts fp16 to fp32 and back); the gradient flows through the batch statistics"""
-    with torch.no_grad():
-        var,mean = torch.var_mean(x, dim=[0, *range(2, x.dim())], correction=0)
         var,mean = var.to(rm.dtype),mean.to(rm.dtype)
         r,d = _correction(mean, (var + eps).sqrt(), rm, rv, eps, r_max, d_max)
         torch._foreach_lerp_([rm, rv], [mean, var*(n/(n-1))], m)
     w2,b2 = (r, d) if w is None else (w*r, torch.addcmul(b, w, d))
-    return F.batch_norm(x, None, None, w2, b2, True, 0., eps)
+    return F.batch_norm(xf, None, None, w2, b2, True, 0., eps).to(x.dtype)
 
 # timm's norm-act layers (`BatchNormAct2d`, a BatchNorm2d subclass used by EfficientNet, RegNet, ...) apply dropout and
 # an activation after normalising: a conversion that dropped them would silently change the network.

@@ -9,7 +9,7 @@ round by round (the order rotates every round, after one warm-up round) and quot
 ± 1.4826 x their median absolute deviation. Memory: each configuration trains in a fresh process forked before this one
 has run any tensor op, which reports the peak RSS it adds over its own baseline taken after model and data exist
 (Linux `/proc/self/clear_refs` peak reset + `VmHWM`); on CUDA, `torch.cuda.max_memory_allocated` over the baseline."""
-import argparse, datetime, multiprocessing, os, shlex, sys, time, warnings
+import argparse, datetime, os, shlex, sys, time, warnings
 from functools import partial
 
 warnings.filterwarnings('ignore')
@@ -80,19 +80,9 @@ def _mem_worker(sz, config, conn):
     except BaseException as e: conn.send(dict(error=f'{type(e).__name__}: {e}'))
     finally: conn.close()
 
-def _forked(target, *args):
-    "Run `target(*args, conn)` in a fresh process (fork where there is one: no second import) and return what it sends"
-    ctx = multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
-    recv,send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=target, args=(*args, send)); p.start(); send.close()
-    try: res = recv.recv()
-    except EOFError: res = dict(error=f'worker died (exit code {p.join() or p.exitcode})')
-    p.join()
-    return res
-
 def memory_section(sz):
     b,k = sz['b'],sz['k']
-    m = {c: _forked(_mem_worker, sz, c) for c in ('big', 'accum', 'micro')}
+    m = {c: forked(_mem_worker, sz, c) for c in ('big', 'accum', 'micro')}
     names = (f'memory: micro-batch {b} x {k} / batch {b*k}', f'memory: micro-batch {b} x {k} / batch {b} alone')
     bad = next((v['error'] for v in m.values() if 'error' in v), None)
     if bad: return [na_row(names[0], '< 0.5', f'error: {bad}'), na_row(names[1], '<= 1.1', f'error: {bad}')], {}, 'n/a'

@@ -145,10 +145,24 @@ def _gloo_entry(rank, world, port, threads, out, fn, args):
         if rank == 0: torch.save(res, out)
     finally: dist.destroy_process_group()
 
+def _context():
+    "Fork where the OS can (no second import, and any module-level function can run), else spawn"
+    return multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
+
+def forked(target, *args):
+    "Run `target(*args, conn)` in a fresh process and return what it sends through `conn`"
+    ctx = _context()
+    recv,send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=target, args=(*args, send)); p.start(); send.close()
+    try: res = recv.recv()
+    except EOFError: res = dict(error=f'worker died (exit code {p.join() or p.exitcode})')
+    p.join()
+    return res
+
 def launch_gloo(fn, world:int=2, args=(), threads:int=1, timeout:float=600):
     """Run `fn(rank, world, *args)` in `world` CPU processes joined over gloo (forked where the OS can, so `fn` may be
     any module-level function); return rank 0's result, or None if a rank failed"""
-    ctx = multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
+    ctx = _context()
     with tempfile.TemporaryDirectory() as d:
         out,port = os.path.join(d, 'rank0.pt'),free_port()
         ps = [ctx.Process(target=_gloo_entry, args=(r, world, port, threads, out, fn, args)) for r in range(world)]
