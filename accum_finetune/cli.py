@@ -132,13 +132,10 @@ def _run(args)->int:
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
         learn.export(tmp/'model.pkl')   # fastai's `load_learner(path).predict(image)`
         args.out.mkdir(parents=True, exist_ok=True)
-        files = [Path(shutil.move(f, args.out/f.name)) if not (args.out/f.name).exists() else _replace(f, args.out/f.name)
-                 for f in sorted(tmp.iterdir())]
+        files = [Path(shutil.move(f, args.out/f.name)) for f in sorted(tmp.iterdir())]   # replaces (--overwrite)
     finally: shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(m, dls.source, files))
     return 0
-
-def _replace(src:Path, dst:Path)->Path: "`--overwrite`: an earlier run's file replaced"; dst.unlink(); return Path(shutil.move(src, dst))
 
 def main(argv=None)->int:
     "Entry point of `accum-finetune` and `python -m accum_callback`; returns the exit status"
