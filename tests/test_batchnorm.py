@@ -359,6 +359,9 @@ def test_batchrenorm_gradients_follow_the_paper(shape):
     assert torch.allclose(y, ref, atol=1e-5)
     assert torch.allclose(x.grad, x2.grad, atol=1e-5)
     assert torch.allclose(m.weight.grad, w.grad, atol=1e-5) and torch.allclose(m.bias.grad, b.grad, atol=1e-5)
+    n = x.numel()//6   # running statistics: BatchNorm's update, unbiased variance, momentum 0.1
+    assert torch.allclose(m.running_mean, rm.lerp(mean.detach(), 0.1), atol=1e-6)
+    assert torch.allclose(m.running_var, rv.lerp(var.detach()*n/(n-1), 0.1), rtol=1e-5, atol=1e-6)
 
 # -- timm: norm-act layers (BatchNormAct2d = BatchNorm2d + dropout + activation) ---------------------------------------
 def _timm_bn_act(c=8):
