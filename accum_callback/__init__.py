@@ -6,7 +6,8 @@ import importlib as _importlib, sys as _sys
 # name -> submodule. Loaded on first use (PEP 562), so that `python -m accum_callback --help` answers before torch and
 # fastai load; where fastai is loaded already (a notebook), everything loads now and `Learner.accumulate` is there at once.
 _API = dict(
-    GradientAccumulation='accumulate', Window='accumulate', PARTIAL_MODES='accumulate', is_out_of_memory='accumulate',
+    GradientAccumulation='accumulate', Window='accumulate', PARTIAL_MODES='accumulate', is_out_of_memory='micro',
+    stateful_modules='micro',
     WindowSchedule='schedule', as_window_schedule='schedule', batch_growth_from_lr='schedule',
     BatchNormAccumulation='batchnorm', MODES='batchnorm', accumulated_momentum='batchnorm', pooled_mean_var='batchnorm',
     PooledStats='batchnorm', BN_MODES='modes',

@@ -7,10 +7,20 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ['is_ddp', 'world_size', 'enter_no_sync', 'sum_over_ranks', 'sync_batchnorm_world', 'AllReduceCounter',
-           'count_allreduces', 'gloo_distributed_dl']
+__all__ = ['is_ddp', 'is_fsdp', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks', 'all_reduce_grads',
+           'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'gloo_distributed_dl']
 
 def is_ddp(model)->bool: return isinstance(model, DistributedDataParallel)
+
+def is_fsdp(model)->bool:
+    "Is `model` (or the module DDP wraps) sharded with FSDP2's `fully_shard`, by whoever sharded it?"
+    try: from torch.distributed.fsdp import FSDPModule
+    except ImportError: return False
+    return isinstance(unwrap(model), FSDPModule)
+
+def unwrap(model):
+    "The module inside DDP / DataParallel (the model itself otherwise)"
+    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
 def world_size(model)->int: "Ranks a DDP `model` averages its gradients over (1 when not DDP)"; return dist.get_world_size() if is_ddp(model) else 1
 
@@ -31,6 +41,17 @@ def sum_over_ranks(values:list, model)->list:
     vals = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(dev) for v in values])
     if is_ddp(model): dist.all_reduce(vals)
     return vals.tolist()
+
+def all_reduce_grads(params:list):
+    "Sum the gradients of `params` over the ranks, one flat all-reduce per dtype (a parameter without one counts zero)"
+    for p in params:
+        if p.grad is None: p.grad = torch.zeros_like(p)
+    by_dtype = {}
+    for p in params: by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for gs in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(gs)
+        dist.all_reduce(flat)
+        torch._foreach_copy_(gs, list(torch._utils._unflatten_dense_tensors(flat, gs)))
 
 def sync_batchnorm_world(bn)->int:
     """How many ranks' micro-batches a layer's batch statistics cover: the process group's size for a `SyncBatchNorm`

@@ -1,0 +1,484 @@
+"""Micro-batching for `GradientAccumulation(micro_bs=...)`: loader batches cut into micro-batches, the out-of-memory retry
+(snapshot, undo, the same samples again smaller), the size probe, inference batches cut under 'auto', and the per-row
+state of models that carry it from one batch to the next.
+
+`GradientAccumulation` owns one `MicroBatcher` and calls it from its events; the window (what a step is) stays in
+`accumulate.py`, what the ranks agree on in `distributed.py`."""
+from __future__ import annotations
+import gc, random, time, warnings
+from numbers import Integral
+
+import torch, torch.nn as nn
+from fastai.callback.core import CancelBatchException
+from fastai.callback.fp16 import MixedPrecision
+from fastai.torch_core import find_bs
+
+from .distributed import is_ddp, is_fsdp, sum_over_ranks, unwrap
+
+__all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError']
+
+_OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
+              'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
+
+def is_out_of_memory(e:BaseException)->bool:
+    "Does `e` say the micro-batch did not fit: `torch.OutOfMemoryError`, or a RuntimeError that means the same"
+    if isinstance(e, torch.OutOfMemoryError): return True
+    return isinstance(e, RuntimeError) and any(t in str(e) for t in _OOM_TEXTS)
+
+def _first_line(e:BaseException)->str: return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+def _slice(b, s:int, e:int):
+    "Items `s:e` of a batch: tensors sliced along their first dimension, tuples and lists element by element"
+    if isinstance(b, torch.Tensor): return b[s:e]
+    if isinstance(b, (tuple, list)): return type(b)(_slice(o, s, e) for o in b)
+    raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
+                    "only tensors and tuples/lists of them (give the loader micro-batches instead, with `n_step`)")
+
+def _cat(outs:list):
+    "The model outputs of consecutive pieces of a batch joined along the first dimension (tensors, tuples, lists, dicts)"
+    o = outs[0]
+    if isinstance(o, torch.Tensor):
+        if o.ndim == 0: raise TypeError("the model returns a 0-d tensor: its output cannot be joined over micro-batches")
+        return torch.cat(outs)
+    if isinstance(o, (tuple, list)): return type(o)(_cat(list(z)) for z in zip(*outs))
+    if isinstance(o, dict): return type(o)((k, _cat([d[k] for d in outs])) for k in o)
+    if o is None: return None
+    raise TypeError(f"the model returns a {type(o).__name__}: only tensors, tuples, lists and dicts of them can be joined "
+                    "over micro-batches")
+
+# -- models that carry state from one batch to the next ------------------------------------------------------------------
+class StatefulModelError(ValueError):
+    "A model carries state between batches in a way `micro_bs` cannot split per row"
+
+def _map(f, s):
+    if isinstance(s, torch.Tensor): return f(s)
+    if isinstance(s, (tuple, list)): return type(s)(_map(f, o) for o in s)
+    if s is None: return None
+    raise TypeError(f"batch state of type {type(s).__name__}: only tensors and tuples/lists of them")
+
+def _map2(f, a, b):
+    if isinstance(a, torch.Tensor): return f(a, b)
+    if isinstance(a, (tuple, list)): return type(a)(_map2(f, x, y) for x,y in zip(a, b))
+    return None
+
+class _AWDState:
+    "fastai's AWD_LSTM (and AWD_QRNN): `hidden`, one (h, c) per layer with the rows in dimension 1, and `bs`"
+    dim = 1
+    @staticmethod
+    def get(m, bs:int):
+        if m.bs != bs: m._change_hidden(bs)   # fastai's own rule: keep the first rows, or add rows of zeros
+        return m.hidden
+    @staticmethod
+    def set(m, state, bs:int): m.hidden,m.bs = state,bs
+    @staticmethod
+    def current(m, bs:int): return m.hidden
+
+class _ProtocolState:
+    "A module of the user's: `get_batch_state(bs)`, `set_batch_state(state)`, `batch_state_dim` (default 0)"
+    def __init__(self, m): self.dim = getattr(m, 'batch_state_dim', 0)
+    @staticmethod
+    def get(m, bs:int): return m.get_batch_state(bs)
+    @staticmethod
+    def set(m, state, bs:int): m.set_batch_state(state)
+    @staticmethod
+    def current(m, bs:int): return m.get_batch_state(bs)
+
+def _known_stateless(m)->bool:
+    "Modules with a `reset` that hold no state between batches of their own (containers, weight-dropout, encoders that reset)"
+    names = {'SequentialRNN', 'SentenceEncoder', 'WeightDropout', 'EmbeddingDropout', 'RNNDropout'}
+    return type(m).__name__ in names and type(m).__module__.startswith('fastai.')
+
+def stateful_modules(model:nn.Module)->tuple[list, list]:
+    """`(splittable, unsplittable)`: the modules of `model` that carry state from one batch to the next. Splittable: fastai's
+    `AWD_LSTM`/`AWD_QRNN`, and any module with `get_batch_state(bs)` and `set_batch_state(state)`. Unsplittable: any other
+    module with a `reset()` method (fastai's sign of a model with state; `ModelResetter` calls it), unless it says
+    `carries_batch_state = False`. Modules inside a splittable one are its own business."""
+    model = unwrap(model)
+    ok,bad,skip = [],[],set()
+    for m in model.modules():
+        if id(m) in skip: continue
+        if getattr(m, 'carries_batch_state', None) is False: continue
+        if callable(getattr(m, 'get_batch_state', None)) and callable(getattr(m, 'set_batch_state', None)): a = _ProtocolState(m)
+        elif type(m).__name__ in ('AWD_LSTM', 'AWD_QRNN') and hasattr(m, 'hidden') and hasattr(m, '_change_hidden'): a = _AWDState
+        elif callable(getattr(m, 'reset', None)) and not _known_stateless(m): bad.append(m); continue
+        else: continue
+        ok.append((m, a))
+        skip.update(id(c) for c in m.modules())
+    return ok,bad
+
+def refuse_stateful(bad:list, model:nn.Module):
+    names = ', '.join(sorted({type(m).__name__ for m in bad}))
+    raise StatefulModelError(
+        f"GradientAccumulation(micro_bs=...): the model carries state from one batch to the next ({names} has `reset()`), "
+        "and each micro-batch would start from another micro-batch's rows. Give the module `get_batch_state(bs)` and "
+        "`set_batch_state(state)` (see docs/micro_batching.md: rows along `batch_state_dim`), set "
+        "`carries_batch_state = False` on it if it holds no state between batches, or feed the loader micro-batches "
+        "and accumulate with `n_step` instead of `micro_bs`")
+
+class RowStates:
+    """The per-row state of a batch cut into pieces: each piece starts from its own rows of the state the whole batch
+    would start from, and what it leaves is written back into those rows; after the last piece the module holds the
+    state of the whole batch, as if it had not been cut. A piece run again (out-of-memory retry) starts from the same rows."""
+    def __init__(self, mods:list): self.mods,self.n,self.s_in,self.s_out = mods,None,None,None
+    def __bool__(self): return bool(self.mods)
+    def begin(self, n:int):
+        self.n = n
+        self.s_in = [a.get(m, n) for m,a in self.mods]
+        self.s_out = [_map(torch.clone, s) for s in self.s_in]
+    def enter(self, s:int, e:int):
+        if self.n is None: return
+        for (m,a),st in zip(self.mods, self.s_in): a.set(m, _map(lambda t: t.narrow(a.dim, s, e-s).clone(), st), e-s)
+    def leave(self, s:int, e:int):
+        if self.n is None: return
+        for (m,a),out in zip(self.mods, self.s_out):
+            _map2(lambda o, t: o.narrow(a.dim, s, e-s).copy_(t.detach()), out, a.current(m, e-s))
+    def end(self):
+        if self.n is None: return
+        for (m,a),out in zip(self.mods, self.s_out): a.set(m, out, self.n)
+        self.n = self.s_in = self.s_out = None
+
+# -- the training loader, cut -----------------------------------------------------------------------------------------------
+class MicroBatches:
+    """The training loader with each of its batches cut into `ceil(n / micro_bs)` near-equal micro-batches (none larger
+    than `micro_bs`, none needlessly small: a BatchNorm layer cannot train on one item), read by fastai's loop in place
+    of `learn.dl` during the training phase. Everything else is the real loader's (`bs`, `device`, `dataset`, ...). After
+    an out-of-memory error `retry` makes it cut the same samples again, at the size in force then.
+
+    What the window needs of the piece being run: `serial` (which loader batch), `batch_index`, `batch_n` (its items),
+    `start`/`end` (the piece's rows), `last_chunk` (the batch's last piece), `last_batch` (the epoch's last batch)."""
+    def __init__(self, dl, mb:MicroBatcher):
+        self.dl,self.mb = dl,mb
+        self.batch_index,self.batch_n,self.start,self.end,self.retry,self.serial = -1,0,0,0,False,0
+        self.last_chunk = self.last_batch = False
+        self._nom = None
+    def __getattr__(self, k):
+        if k in ('dl', 'mb'): raise AttributeError(k)
+        return getattr(self.dl, k)
+    def _sizes(self)->list:
+        "The loader's batch sizes, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each"
+        n,bs,nb = getattr(self.dl, 'n', None),self.dl.bs,len(self.dl)
+        if n is None or not bs: return [bs or 1]*nb
+        return [min(bs, n - i*bs) for i in range(nb)]
+    def _pieces(self, left:int, nom)->int: return -(-(left if nom is None else nom)//self.mb.size)
+    def __len__(self)->int:
+        "Micro-batches this epoch at the size in force (fastai's `n_iter` and progress bar read it)"
+        m = self.mb.size
+        return sum(-(-b//m) for b in self._sizes()) if m else len(self.dl)
+    def pieces_left(self)->int:
+        "Micro-batches still to run this epoch at the size in force, the one being (re)run included"
+        m,sizes = self.mb.size,self._sizes()
+        rest = sum(-(-b//m) for b in sizes[self.batch_index+1:]) if m else len(sizes)-self.batch_index-1
+        if self.batch_index < 0: return rest
+        left = self.batch_n - self.start
+        if not left: return rest
+        if self._nom is None: return rest + -(-left//m)
+        k,nom,s = 0,self._nom,self.start
+        while s < self.batch_n: s += -(-(self.batch_n - s)//max(1, -(-nom//m))); nom = max(nom-m, 1); k += 1
+        return rest + k
+    def __iter__(self):
+        nb,bs,mb = len(self.dl),self.dl.bs,self.mb
+        for bi,b in enumerate(self.dl):
+            n = find_bs(b)
+            self.batch_index,self.batch_n,self.start,self.last_batch = bi,n,0,bi == nb-1
+            # The pieces left are counted on the items left; under DDP on the loader's batch size less `micro_bs` per
+            # piece cut, so that a rank's short last batch is cut into as many pieces as the others' (fastai's
+            # Recorder gathers every one)
+            self._nom = bs if (mb.ranks_cut_alike() and bs) else None
+            self.serial = mb.batch_started(n)
+            if mb.rows: mb.rows.begin(n)   # a stateful model: the state this batch starts from, per row
+            while self.start < n:
+                left = n-self.start
+                self.end = self.start + -(-left//max(1, self._pieces(left, self._nom)))
+                self.last_chunk = self.end == n
+                yield _slice(b, self.start, self.end) if (self.start, self.end) != (0, n) else b
+                if self.retry: self.retry = False   # the same samples again, at the size in force now
+                else: self.start,self._nom = self.end,(None if self._nom is None else max(self._nom - mb.size, 1))
+            if mb.rows: mb.rows.end()
+            mb.batch_done(n)
+        self.batch_index = nb
+
+# -- the one_batch wrapper of micro_bs='auto' ----------------------------------------------------------------------------------
+class _PeerOutOfMemory(Exception):
+    "Another DDP rank ran out of memory in this micro-batch: this rank undoes it too, and every rank retries smaller"
+
+class _OneBatch:
+    """`learn.one_batch` under `micro_bs='auto'`. Training: a micro-batch that runs out of memory is undone and retried
+    smaller (under DDP every rank agrees after each micro-batch). Inference (validation, `get_preds`, `predict`, `tta`):
+    the model's forward is cut into pieces when a batch runs out of memory, and the events see the whole batch."""
+    def __init__(self, learn, mb:MicroBatcher): self.learn,self.mb,self.orig = learn,mb,learn.one_batch
+    def __call__(self, i, b):
+        mb = self.mb
+        if not self.learn.training: return mb.infer_one_batch(self.orig, i, b)
+        mb.agreed,mb.snap = False,mb.snapshot()
+        try: return self.orig(i, b)
+        except BaseException as e:
+            peer = isinstance(e, _PeerOutOfMemory)
+            if not ((peer or is_out_of_memory(e)) and mb.loader is not None): raise
+            msg = _first_line(e)
+            e.__traceback__ = None   # its frames hold the attempt's tensors
+        if not peer and mb.ranks_agree() and not mb.agreed: mb.agree(oom=True)   # the ranks that fitted wait in `after_backward`
+        mb.undo()
+        mb.halve(msg)
+
+# -- the micro-batcher -------------------------------------------------------------------------------------------------------
+class MicroBatcher:
+    """The micro-batching of one `GradientAccumulation`: `size` is the micro-batch in use (fixed, or what 'auto' found,
+    kept for the next fit), `inference_bs` the largest inference batch that fitted under 'auto' (None: batches are not
+    cut), `trials` the items/s the probe measured per size.
+
+    The window tells it what an undo must put back through `window_state`/`restore_window` (callables), and listens to
+    undone micro-batches through `on_undo`; `clock` and `on_gpu` time the probe."""
+    def __init__(self, mode, probe:bool, window_state, restore_window, clock, on_gpu):
+        self.mode,self.probe_on = mode,probe
+        self.size = mode if isinstance(mode, Integral) else None
+        self.inference_bs,self.trials = None,{}
+        self.window_state,self.restore_window,self.clock,self.on_gpu = window_state,restore_window,clock,on_gpu
+        self.learn,self.loader,self.rows,self.undo_listeners = None,None,RowStates([]),[]
+        self._probe,self._serial,self._state = None,0,None
+        self.agreed,self.snap,self._warned_infer = False,None,False
+
+    @property
+    def auto(self)->bool: return self.mode == 'auto'
+
+    # -- fit -----------------------------------------------------------------------------------------------------------
+    def start_fit(self, learn):
+        "Training starts: the model's state is checked, and under 'auto' `learn.one_batch` retries"
+        self.learn = learn
+        model = learn.model
+        if self.auto and is_fsdp(model):
+            raise ValueError("GradientAccumulation(micro_bs='auto') under FSDP2: a rank that runs out of memory in the "
+                             "middle of a forward or backward leaves the others waiting in FSDP's all-gathers and "
+                             "reduce-scatters, so it cannot be undone and retried. Give `micro_bs` a number (every rank "
+                             "cuts its batches into the same number of pieces)")
+        ok,bad = stateful_modules(model)
+        if bad: refuse_stateful(bad, model)
+        self.rows,self._state = RowStates(ok),None
+        if self.auto:
+            if self.size is None: self.size = getattr(learn.dls.train, 'bs', None)   # or what an earlier fit found
+            self._install()
+    def _install(self):
+        if not isinstance(self.learn.__dict__.get('one_batch'), _OneBatch): self.learn.one_batch = _OneBatch(self.learn, self)
+    def unhook(self):
+        "The fit or inference is over (or left by an exception): `learn.one_batch` and `learn.dl` are fastai's again"
+        learn = self.learn
+        if learn is None: return
+        if isinstance(learn.__dict__.get('one_batch'), _OneBatch): del learn.__dict__['one_batch']
+        self.end_train()
+        self._state,self.snap = None,None
+
+    def start_train(self):
+        self.loader = self.learn.dl = MicroBatches(self.learn.dl, self)
+    def end_train(self):
+        if self.loader is not None: self.learn.dl,self.loader = self.loader.dl,None
+        if self.rows: self.rows.n = None
+
+    def start_inference(self, learn):
+        "`validate`/`get_preds`/`predict`/`tta` under 'auto': batches that run out of memory are cut"
+        if not self.auto: return
+        self.learn = learn
+        if not isinstance(learn.__dict__.get('one_batch'), _OneBatch): self.learn.one_batch = _OneBatch(learn, self)
+    def end_inference(self):
+        learn = self.learn
+        if learn is not None and isinstance(learn.__dict__.get('one_batch'), _OneBatch): del learn.__dict__['one_batch']
+
+    # -- per loader batch / micro-batch -----------------------------------------------------------------------------------
+    def ranks_agree(self)->bool: "'auto' under DDP: the ranks agree after every micro-batch"; return self.auto and is_ddp(self.learn.model)
+    def ranks_cut_alike(self)->bool:
+        "Every rank must cut its batches into as many pieces (DDP: fastai's Recorder gathers each; FSDP2: its collectives)"
+        return is_ddp(self.learn.model) or is_fsdp(self.learn.model)
+    def batch_started(self, n:int)->int:
+        self._serial += 1
+        if self.size is None: self.size = n
+        p = self._probe
+        if p is not None and p['stage'] in ('time_a', 'time_b'): p['t0'] = self.clock()
+        return self._serial
+    def batch_done(self, n:int):
+        "'auto' on a GPU, outside DDP: once a size has run a loader batch, time it and the next smaller; keep the faster"
+        if not (self.auto and self.probe_on) or self.ranks_cut_alike() or not self.on_gpu(): return
+        p = self._probe
+        if p is None: self._probe = dict(stage='time_a' if self.size >= 2 else 'done', size=self.size); return
+        if p['stage'] == 'time_a':
+            p['rate_a'] = n/(self.clock()-p['t0'])
+            self.trials[p['size']] = p['rate_a']
+            self.size,p['stage'] = p['size']//2,'warm_b'
+            self._resize_epoch()
+        elif p['stage'] == 'warm_b': p['stage'] = 'time_b'   # cuDNN picks its algorithms for the new shapes first
+        elif p['stage'] == 'time_b':
+            rate = n/(self.clock()-p['t0'])
+            small = p['size']//2
+            self.trials[small] = rate
+            self.size = small if rate > p['rate_a'] else p['size']
+            p['stage'] = 'done'
+            if self.size == small:
+                warnings.warn(f"GradientAccumulation: micro-batch {small} ran at {rate:.0f} items/s against {p['size']}'s "
+                              f"{p['rate_a']:.0f}: micro_bs is now {small}", stacklevel=2)
+            else: self._resize_epoch()
+
+    def before_forward(self):
+        "The micro-batch's rows of a stateful model's state (training)"
+        sp = self.loader
+        if sp is not None and self.rows.n is not None: self.rows.enter(sp.start, sp.end)
+    def after_forward(self):
+        sp = self.loader
+        if sp is not None and self.rows.n is not None: self.rows.leave(sp.start, sp.end)
+
+    def progress(self)->float|None:
+        "How far through the epoch's loader batches the micro-batch just run is (None: no loader cut)"
+        sp = self.loader
+        if sp is None or not sp.batch_n: return None
+        return (sp.batch_index + sp.end/sp.batch_n)/len(sp.dl)
+
+    def _resize_epoch(self):
+        "The size changed mid-epoch: fastai's `n_iter` (schedules, ShortEpochCallback) and the progress bar follow it"
+        learn,sp = self.learn,self.loader
+        if sp is None or not getattr(learn, 'training', False): return
+        n = getattr(learn, 'iter', -1) + 1 + sp.pieces_left()
+        learn.n_iter = n
+        pbar = getattr(getattr(learn, 'progress', None), 'pbar', None)
+        if pbar is not None and getattr(pbar, 'total', None) is not None: pbar.total = n
+
+    # -- DDP agreement (micro_bs='auto') ----------------------------------------------------------------------------------
+    def agree(self, oom:bool=False, cancelled:bool=False)->tuple[bool,bool]:
+        "Did any rank run out of memory, did any rank cancel this micro-batch before its backward? (one small all-reduce)"
+        self.agreed = True
+        a,b = sum_over_ranks([float(oom), float(cancelled)], self.learn.model)
+        return a > 0,b > 0
+
+    def after_backward(self, counted:bool):
+        """Every rank comes here or to `after_cancel_batch` once per micro-batch. A peer out of memory: undo and retry
+        smaller with it. A peer's callback cancelled the micro-batch before its backward: undo it here too and cancel,
+        so that every rank drops the same micro-batch and no collective waits"""
+        if not self.ranks_agree() or self.agreed: return
+        oom,cancelled = self.agree(cancelled=not counted)
+        if oom: raise _PeerOutOfMemory('another rank ran out of memory in this micro-batch')
+        if cancelled and counted:
+            self.undo(drop=False)
+            raise CancelBatchException()
+    def after_cancel_batch(self):
+        if not self.ranks_agree() or self.agreed: return
+        oom,_ = self.agree(cancelled=True)
+        if oom: raise _PeerOutOfMemory('another rank ran out of memory in this micro-batch')
+
+    # -- snapshot and undo ------------------------------------------------------------------------------------------------
+    def _state_tensors(self)->dict:
+        "(BatchNorm buffers and their snapshot copies, Batch Renorm layers, parameters), gathered once per fit"
+        if self._state is None:
+            learn,model = self.learn,self.learn.model
+            bufs = [t for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                    for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+            renorms = [m for m in model.modules() if hasattr(m, 'renorm_steps')]
+            params = [p for p,*_ in learn.opt.all_params()] if getattr(learn, 'opt', None) else list(model.parameters())
+            self._state = dict(bufs=bufs, buf_copy=[t.clone() for t in bufs], renorms=renorms, params=params, grad_copy=None)
+        return self._state
+
+    def snapshot(self)->dict:
+        "What a micro-batch can change before its backward ends, kept to undo it (no host synchronisation)"
+        st = self._state_tensors()
+        window,open_ = self.window_state()
+        dev = next(iter(st['params']), torch.empty(0)).device
+        snap = dict(rng=torch.get_rng_state(), py=random.getstate(), dev=dev,
+                    cuda=torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None,
+                    window=window, renorm=[m.renorm_steps for m in st['renorms']],
+                    autocast=torch.is_autocast_enabled(dev.type) if dev.type in ('cuda', 'cpu') else False, grads=open_)
+        if st['bufs']: torch._foreach_copy_(st['buf_copy'], st['bufs'])
+        if open_:   # an open window: its accumulated gradient (else the gradients are zero)
+            ps = [p for p in st['params'] if p.grad is not None]
+            gc_ = st['grad_copy']
+            if gc_ is None or len(gc_[0]) != len(ps) or any(a is not b for a,b in zip(gc_[0], ps)):
+                st['grad_copy'] = (ps, [torch.empty_like(p.grad) for p in ps])
+            if ps: torch._foreach_copy_(st['grad_copy'][1], [p.grad for p in ps])
+        return snap
+
+    def undo(self, drop:bool=True):
+        "Put back everything the micro-batch in progress touched (its snapshot was taken before it began)"
+        learn,snap,st = self.learn,self.snap,self._state
+        if drop: learn.pred = learn.loss = learn.loss_grad = None   # the attempt's tensors (kept for a cancel's `after_batch`)
+        dev = snap['dev']
+        if dev.type in ('cuda', 'cpu') and torch.is_autocast_enabled(dev.type) and not snap['autocast']:
+            for cb in learn.cbs:   # MixedPrecision enters autocast in `before_batch` and leaves it in `after_loss`
+                if isinstance(cb, MixedPrecision) and getattr(cb, 'autocast', None) is not None: cb.autocast.__exit__(None, None, None)
+        for f in list(self.undo_listeners): f()
+        gc.collect()
+        if dev.type == 'cuda': torch.cuda.empty_cache()
+        torch.set_rng_state(snap['rng']); random.setstate(snap['py'])
+        if snap['cuda'] is not None: torch.cuda.set_rng_state(snap['cuda'], dev)
+        if st['bufs']: torch._foreach_copy_(st['bufs'], st['buf_copy'])
+        for m,v in zip(st['renorms'], snap['renorm']): m.renorm_steps = v
+        if snap['grads'] and st['grad_copy'] is not None:
+            ps,copy = st['grad_copy']
+            torch._foreach_copy_([p.grad for p in ps], copy)
+            kept = set(map(id, ps))
+            for p in st['params']:
+                if p.grad is not None and id(p) not in kept: p.grad.zero_()
+        else:
+            for p in st['params']:
+                if p.grad is not None: p.grad.zero_()
+        self.restore_window(snap['window'])
+
+    def halve(self, msg:str):
+        "After an undone out-of-memory micro-batch: half the size, and the same samples cut again"
+        size = self.size
+        if size <= 1:
+            raise RuntimeError(f"GradientAccumulation(micro_bs='auto'): out of memory with a micro-batch of 1 item ({msg}). "
+                               "The model does not fit this device at any micro-batch: free memory, use mixed precision, "
+                               "a smaller model or smaller inputs") from None
+        self.size,self._probe = size//2,None
+        self.loader.retry = True
+        self._resize_epoch()
+        warnings.warn(f"GradientAccumulation: out of memory with micro-batch {size} ({msg}); micro_bs is now {size//2}, "
+                      "and the same samples run again", stacklevel=3)
+
+    # -- inference under 'auto' -------------------------------------------------------------------------------------------
+    def infer_one_batch(self, one_batch, i, b):
+        "Run fastai's `one_batch` on an inference batch with the model's forward cut into pieces when it runs out of memory"
+        model = unwrap(self.learn.model)   # under DDP the wrapped module: DDP's own forward runs once per batch
+        own = model.__dict__.get('forward')
+        fwd = own if own is not None else model.forward
+        model.forward = lambda *args, **kw: self._forward_cut(fwd, args, kw)
+        try: return one_batch(i, b)
+        finally:
+            if own is None: model.__dict__.pop('forward', None)
+            else: model.forward = own
+
+    def _forward_cut(self, fwd, args, kw):
+        n = find_bs(args)
+        while True:
+            size = self.inference_bs
+            try:
+                if size is None or size >= n: return fwd(*args, **kw)
+                return self._pieces(fwd, args, kw, n, size)
+            except BaseException as e:
+                if not is_out_of_memory(e): raise
+                msg = _first_line(e)
+                e.__traceback__ = None
+            gc.collect()
+            if torch.cuda.is_available(): torch.cuda.empty_cache()
+            cur = min(size or n, n)
+            if cur <= 1:
+                raise RuntimeError(f"GradientAccumulation(micro_bs='auto'): out of memory in inference with a batch of 1 "
+                                   f"item ({msg}). The model does not fit this device even for one item") from None
+            if is_fsdp(self.learn.model):
+                raise RuntimeError(f"GradientAccumulation(micro_bs='auto'): out of memory in inference under FSDP2 ({msg}); "
+                                   "its all-gathers cannot be re-run on one rank: make the validation batch smaller "
+                                   "(`dls.valid.bs`)") from None
+            self.inference_bs = cur//2
+            warnings.warn(f"GradientAccumulation: out of memory in inference with a batch of {cur} ({msg}); inference "
+                          f"batches are now cut into pieces of {cur//2} (training keeps micro_bs {self.size})", stacklevel=2)
+
+    def _pieces(self, fwd, args, kw, n:int, size:int):
+        k = -(-n//size)
+        bounds = [(n*j//k, n*(j+1)//k) for j in range(k)]   # near-equal pieces, none larger than `size`
+        rows = self.rows if self.rows else RowStates(stateful_modules(self.learn.model)[0])
+        if rows: rows.begin(n)
+        try:
+            outs = []
+            for s,e in bounds:
+                if rows: rows.enter(s, e)
+                outs.append(fwd(*_slice(args, s, e), **kw))
+                if rows: rows.leave(s, e)
+            out = _cat(outs)
+        except BaseException:
+            if rows: rows.n = None
+            raise
+        if rows: rows.end()
+        return out
