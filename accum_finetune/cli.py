@@ -9,6 +9,7 @@ import argparse, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
 from accum_callback.modes import BN_MODES
+from .precheck import arch_known, data_problem, gpu_visible, unknown_arch
 
 __all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main', 'run']
 
@@ -85,6 +86,17 @@ def check_args(args)->argparse.Namespace:
     if args.weights and args.weights.lower() == 'none': args.weights = 'none'
     if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', args.device):
         raise UsageError(f"argument --device: {args.device!r} is not auto, cpu, cuda or cuda:N")
+    # what needs no torch is checked here, before torch loads (an answer in milliseconds, not seconds)
+    if args.data is not None and (problem := data_problem(args.data)): raise UsageError(problem)
+    no_gpu = gpu_visible() is False
+    if no_gpu and args.device.startswith('cuda'):
+        raise UsageError(f"argument --device: {args.device}: no CUDA device on this machine (use --device cpu or auto)")
+    if args.precision in ('fp16', 'bf16') and (args.device == 'cpu' or no_gpu):
+        raise UsageError(f"argument --precision: {args.precision} trains through CUDA autocast: use --device cuda, or "
+                         "--precision fp32")
+    if arch_known(args.arch) is False:
+        from importlib.util import find_spec
+        raise UsageError(unknown_arch(args.arch, find_spec('timm') is not None))
     return args
 
 def _summary(m:dict, source:str, files)->str:

@@ -5,6 +5,8 @@ from pathlib import Path
 import torch, torch.nn as nn
 from torchvision.models.resnet import BasicBlock
 
+from .precheck import unknown_arch
+
 __all__ = ['ArchError', 'DEFAULT_ARCH', 'ARCHS', 'register_arch', 'resnet_tiny', 'check_arch', 'create_model',
            'load_weights', 'has_batchnorm']
 
@@ -55,12 +57,8 @@ def check_arch(name:str)->str:
     is_timm = name.startswith(('timm/', 'timm:'))
     if not is_timm and name in _torchvision_names(): return 'torchvision'
     timm,bare = _timm(),name[5:] if is_timm else name
-    if timm is None:
-        if is_timm: raise ArchError(f"--arch {name}: timm is not installed (`pip install timm` for timm models)")
-        raise ArchError(f"--arch {name}: unknown architecture (not registered, not in torchvision; timm is not "
-                        "installed, so timm names are unavailable)")
-    if timm.is_model(bare): return 'timm'
-    raise ArchError(f"--arch {name}: unknown architecture (not registered, not in torchvision, not in timm)")
+    if timm is not None and timm.is_model(bare): return 'timm'
+    raise ArchError(unknown_arch(name, timm is not None))
 
 def create_model(name:str, num_classes:int)->nn.Module:
     "A randomly initialised `name` (registered, torchvision, or `timm/...`) with a `num_classes` head"

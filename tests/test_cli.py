@@ -139,12 +139,45 @@ except SystemExit as e: code = e.code
 print('heavy:', sorted(m for m in ('torch', 'fastai', 'fastcore') if m in sys.modules), 'exit:', code)
 """
 
-@pytest.mark.parametrize('args', [('--help',), ('--micro-bs', '0'), ('--bn', 'batch'), ('--nope',)])
-def test_help_and_argument_errors_load_no_torch(args):
-    "`python -m accum_callback --help` and argument errors answer before torch and fastai load (seconds saved)"
-    res = subprocess.run([sys.executable, '-c', _IMPORTS_AFTER, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+@pytest.mark.parametrize('args,names', [
+    (('--help',), ()), (('--micro-bs', '0'), ('--micro-bs',)), (('--bn', 'batch'), ('--bn',)), (('--nope',), ('--nope',)),
+    # issue 20: these answered after ~9 s (torch and fastai loaded first)
+    (('--data', '/no/such/path'), ('--data', '/no/such/path', 'no such folder')),
+    (('--device', 'cpu', '--precision', 'fp16'), ('--precision', 'fp16')),
+    (('--arch', 'resnet_nope'), ('--arch', 'resnet_nope')),
+    (('--arch', 'timm/no_such_net'), ('--arch', 'timm/no_such_net')),
+])
+def test_help_and_argument_errors_load_no_torch(args, names, tmp_path):
+    "`--help` and every argument error that needs no torch answer before torch and fastai load (seconds saved), one line"
+    res = subprocess.run([sys.executable, '-c', _IMPORTS_AFTER, *args, '--out', str(tmp_path/'out')], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
     assert 'heavy: [] exit:' in res.stdout, (res.stdout, res.stderr)
     assert res.stdout.rstrip().endswith('exit: 0' if args == ('--help',) else 'exit: 2')
+    if names:
+        err = [l for l in res.stderr.splitlines() if l.strip()]
+        assert len(err) == 1 and all(n in err[0] for n in names), res.stderr
+
+def test_no_gpu_answers_without_torch(tmp_path):
+    "On a machine without a GPU driver, `--precision fp16` (device auto) and `--device cuda` answer before torch loads"
+    from accum_finetune.precheck import gpu_visible
+    if gpu_visible() is not False: pytest.skip('a GPU driver is present: torch decides')
+    for args,name in ((('--precision', 'fp16'), '--precision'), (('--device', 'cuda'), '--device')):
+        res = subprocess.run([sys.executable, '-c', _IMPORTS_AFTER, *args, '--out', str(tmp_path/'out')],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert res.stdout.rstrip().endswith('heavy: [] exit: 2') and name in res.stderr, (res.stdout, res.stderr)
+
+def test_registry_scan_matches_the_libraries():
+    """The names read from torchvision's and timm's sources without importing them are exactly the names the libraries
+    register (so the fast `--arch` check refuses nothing `check_arch` accepts)"""
+    from accum_finetune.precheck import registry_names, arch_known
+    from accum_finetune.models import ARCHS
+    import torchvision.models as tvm
+    assert registry_names('torchvision', 'models') == set(tvm.list_models(module=tvm))
+    assert registry_names('accum_finetune', '.') == set(ARCHS)
+    timm = pytest.importorskip('timm')
+    from timm.models._registry import _model_entrypoints
+    assert registry_names('timm', 'models') == set(_model_entrypoints)   # deprecated names included
+    assert arch_known('timm/resnet50.a1_in1k') and arch_known('resnet18') and arch_known('nope_net') is False
 
 @pytest.mark.parametrize('delay', [0.3, 1.0, 3.0])
 def test_ctrl_c_one_line_exit_130(tmp_path, delay):
