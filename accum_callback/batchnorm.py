@@ -247,7 +247,10 @@ class _Convert(_Mode):
 
 class GroupNorm(_Convert):
     "'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`)"
-    def convert(self, model): return bn_to_groupnorm(model, self.cb.num_groups)
+    def convert(self, model):
+        with warnings.catch_warnings():   # the mode's documented effect, not news to the user who chose it
+            warnings.filterwarnings('ignore', message='bn_to_groupnorm: running statistics', category=UserWarning)
+            return bn_to_groupnorm(model, self.cb.num_groups)
 
 class Renorm(_Convert):
     "'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`)"

@@ -50,16 +50,17 @@ def _cat(outs:list):
 class StatefulModelError(ValueError):
     "A model carries state between batches in a way `micro_bs` cannot split per row"
 
-def _map(f, s):
-    if isinstance(s, torch.Tensor): return f(s)
-    if isinstance(s, (tuple, list)): return type(s)(_map(f, o) for o in s)
-    if s is None: return None
-    raise TypeError(f"batch state of type {type(s).__name__}: only tensors and tuples/lists of them")
+def _flat(state)->tuple[list,object]:
+    "The tensors of a batch state (a tensor, or tuples/lists of them) and how to put them back together"
+    from torch.utils._pytree import tree_flatten
+    leaves,spec = tree_flatten(state)
+    if not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise TypeError("a batch state must be a tensor or tuples/lists of tensors, got " + ', '.join(sorted({type(t).__name__ for t in leaves})))
+    return leaves,spec
 
-def _map2(f, a, b):
-    if isinstance(a, torch.Tensor): return f(a, b)
-    if isinstance(a, (tuple, list)): return type(a)(_map2(f, x, y) for x,y in zip(a, b))
-    return None
+def _unflat(leaves, spec):
+    from torch.utils._pytree import tree_unflatten
+    return tree_unflatten(list(leaves), spec)
 
 class _AWDState:
     "fastai's AWD_LSTM (and AWD_QRNN): `hidden`, one (h, c) per layer with the rows in dimension 1, and `bs`"
@@ -123,18 +124,21 @@ class RowStates:
     def __bool__(self): return bool(self.mods)
     def begin(self, n:int):
         self.n = n
-        self.s_in = [a.get(m, n) for m,a in self.mods]
-        self.s_out = [_map(torch.clone, s) for s in self.s_in]
+        self.s_in = [_flat(a.get(m, n)) for m,a in self.mods]
+        self.s_out = [[t.clone() for t in leaves] for leaves,_ in self.s_in]
     def enter(self, s:int, e:int):
         if self.n is None: return
-        for (m,a),st in zip(self.mods, self.s_in): a.set(m, _map(lambda t: t.narrow(a.dim, s, e-s).clone(), st), e-s)
+        for (m,a),(leaves,spec) in zip(self.mods, self.s_in):
+            a.set(m, _unflat([t.narrow(a.dim, s, e-s).clone() for t in leaves], spec), e-s)
     def leave(self, s:int, e:int):
         if self.n is None: return
         for (m,a),out in zip(self.mods, self.s_out):
-            _map2(lambda o, t: o.narrow(a.dim, s, e-s).copy_(t.detach()), out, a.current(m, e-s))
+            for i,t in enumerate(_flat(a.current(m, e-s))[0]):
+                if out[i].dtype != t.dtype or out[i].device != t.device: out[i] = out[i].to(t)   # e.g. zeros of the default dtype
+                out[i].narrow(a.dim, s, e-s).copy_(t.detach())
     def end(self):
         if self.n is None: return
-        for (m,a),out in zip(self.mods, self.s_out): a.set(m, out, self.n)
+        for (m,a),out,(_,spec) in zip(self.mods, self.s_out, self.s_in): a.set(m, _unflat(out, spec), self.n)
         self.n = self.s_in = self.s_out = None
 
 # -- the training loader, cut -----------------------------------------------------------------------------------------------

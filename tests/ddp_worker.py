@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
-from fastai.callback.core import Callback, CancelValidException
+from fastai.callback.core import Callback, CancelBatchException, CancelValidException
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 
 from accum_callback import GradientAccumulation
@@ -107,8 +107,16 @@ class SimulatedOOM:
         if self.on and torch.is_grad_enabled() and len(out) > self.n: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
         return self.loss(out, targ)
 
+class CancelOnRank(Callback):
+    "On rank `rank` only, cancel the `at`-th training micro-batch (counting attempts) before its backward, in `after_loss`"
+    def __init__(self, rank, my_rank, at): self.on,self.at,self.k = rank == my_rank,at,0
+    def after_loss(self):
+        if not (self.on and self.training): return
+        self.k += 1
+        if self.k == self.at: raise CancelBatchException()
+
 def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=None, bucket_cap_mb=1e-4,
-          seed=0, bn=None, shift=0., oom=None):
+          seed=0, bn=None, shift=0., oom=None, cancel=None):
     "Train an MLP (float64) on this rank's shard of `sizes` samples under `ddp`; `ga`: kwargs for `GradientAccumulation`"
     ds = shard(sizes, rank, seed=seed, tokens=tokens)
     if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
@@ -123,6 +131,7 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     model = (MLP if bn is None else BNMLP)(n_in=5, n_out=n_out, seed=seed).double()
     loss = masked_mse if tokens is not None else F.mse_loss
     if oom is not None: loss = SimulatedOOM(loss, oom[0], rank, oom[1])   # (rank, items above which it runs out of memory)
+    if cancel is not None: cbs.append(CancelOnRank(cancel[0], rank, cancel[1]))   # (rank, which micro-batch)
     learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=loss, lr=LR)
     # a tiny bucket cap: every parameter its own bucket, so the counts check "once per bucket", not just "once"
     learn.model = ddp(model, bucket_cap_mb=bucket_cap_mb) if ddp is not None else model

@@ -300,5 +300,5 @@ def test_logs_survive_validate_and_get_preds():
         warnings.simplefilter('error')                   # no second "dropped" warning
         learn.validate(); learn.get_preds()
     assert (ga.window_sizes, ga.window_losses, ga.n_skipped) == logged == ([8]*3, logged[1], 1)
-    fit_quiet(learn, 1, lr=0.)                           # a new fit starts new logs
+    with pytest.warns(UserWarning, match='dropped'): fit_quiet(learn, 1, lr=0.)   # a new fit starts new logs
     assert ga.n_skipped == 1 and ga.steps == 3

@@ -373,7 +373,7 @@ def _timm_bn_act(c=8):
 
 def test_timm_norm_act_keeps_its_activation_in_conversions():
     x = torch.randn(4, 8, 5, 5)
-    gn = bn_to_groupnorm(_timm_bn_act(), num_groups=4)
+    with pytest.warns(UserWarning, match='running statistics .* discarded'): gn = bn_to_groupnorm(_timm_bn_act(), num_groups=4)
     assert isinstance(gn.act, nn.SiLU) and gn.weight is not None
     assert torch.allclose(gn(x), F.silu(F.group_norm(x, 4, gn.weight, gn.bias, gn.eps)), atol=1e-6)
     bn = _timm_bn_act().eval(); ref = bn(x)

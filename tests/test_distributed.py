@@ -29,6 +29,10 @@ SCENARIOS = dict(
     # micro_bs: loader batches of 8 cut into micro-batches; 'auto' with an out-of-memory error on rank 1 only
     micro3        = dict(sizes=[28,32], bs=8, ga=dict(n_step=2, micro_bs=3)),
     auto_oom_rank1= dict(sizes=[32,32], bs=8, ga=dict(micro_bs='auto'), oom=(1, 3)),
+    # 'auto': a callback on rank 1 only cancels a micro-batch before its backward (it hung the other rank for ever);
+    # and the same at the micro-batch where rank 0 runs out of memory
+    auto_cancel_rank1= dict(sizes=[32,32], bs=8, ga=dict(n_step=2, micro_bs='auto'), cancel=(1, 3)),
+    auto_cancel_oom  = dict(sizes=[32,32], bs=8, ga=dict(micro_bs='auto'), oom=(0, 4), cancel=(1, 1)),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
 
@@ -164,4 +168,22 @@ def test_auto_oom_on_one_rank_all_ranks_agree(runs):
     r0,r1 = get(runs, 'auto_oom_rank1')
     assert r0['micro_bs'] == r1['micro_bs'] == 2 and r0['steps'] == r1['steps'] == 8
     assert [m['bs'] for m in r0['micro']] == [m['bs'] for m in r1['micro']] == [2]*32   # the undone attempts log nothing
+    check_large_batch(r0, r1)
+
+# issue 20 ---------------------------------------------------------------------------------------------------------------
+def test_auto_one_rank_cancel_agrees_and_carries_on(runs):
+    """micro_bs='auto': rank 1's callback cancels its 3rd micro-batch before the backward. Rank 0 undoes the same
+    micro-batch and cancels it too (no rank waits in a collective; before, rank 0 waited for ever): both ranks end with
+    the same weights, which are one large batch per step of the samples both kept"""
+    r0,r1 = get(runs, 'auto_cancel_rank1')
+    assert torch.equal(r0['params'], r1['params'])
+    assert r0['steps'] == r1['steps'] == 4
+    kept = [len(w[0]) for w in r0['windows']]
+    assert kept == [16, 8, 16, 16] == [len(w[0]) for w in r1['windows']]   # the cancelled micro-batch is out of both
+    check_large_batch(r0, r1)
+
+def test_auto_cancel_on_one_rank_and_oom_on_the_other(runs):
+    "The same micro-batch cancelled on rank 1 and out of memory on rank 0: both retry it smaller, in step"
+    r0,r1 = get(runs, 'auto_cancel_oom')
+    assert r0['micro_bs'] == r1['micro_bs'] == 4 and torch.equal(r0['params'], r1['params'])
     check_large_batch(r0, r1)

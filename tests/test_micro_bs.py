@@ -210,3 +210,195 @@ def test_probe_keeps_the_larger_size_when_it_is_faster(monkeypatch):
     monkeypatch.setattr(GradientAccumulation, '_clock', lambda self: clock[0])
     learn = run(make_data(48), 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
     assert learn.gradient_accumulation.micro_bs == 8 and not any('micro_bs is now' in m for m in learn.caught)
+
+# == issue 20: validation under 'auto', stateful models, the progress total, warnings, DDP cancels, cancelled steps ====
+from fastai.callback.core import CancelBatchException, CancelStepException
+from fastai.callback.rnn import rnn_cbs
+from fastai.data.core import Datasets
+from fastai.data.transforms import Categorize
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.metrics import accuracy, RocAuc
+from fastai.optimizer import SGD
+from fastai.torch_core import TensorBase
+from accum_callback.micro import StatefulModelError
+from helpers import WindowSpy, flat
+
+class OOMInInference(nn.Module):
+    "Raises out of memory for an inference forward of more than `n` items (training passes)"
+    def __init__(self, n): super().__init__(); self.n,self.calls = n,[]
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            self.calls.append(len(x))
+            if len(x) > self.n: raise torch.OutOfMemoryError(f'CUDA out of memory (simulated inference: {len(x)} > {self.n})')
+        return x
+
+_X,_Y = torch.randn(64, 5, generator=torch.Generator().manual_seed(3)),torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(4))
+def _get_x(i): return TensorBase(_X[i])
+def _get_y(i): return int(_Y[i])
+
+def clf_learner(n_oom=10**9, cbs=()):
+    "A 3-class classifier on fastai `Datasets` (so that `predict` and `tta` work), valid batches of 16"
+    dsets = Datasets(range(64), [[_get_x], [_get_y, Categorize()]], splits=[list(range(40)), list(range(40, 64))])
+    dls = dsets.dataloaders(bs=8, val_bs=16, device='cpu', shuffle=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), OOMInInference(n_oom), nn.Tanh(), nn.Linear(16, 3))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.1, metrics=[accuracy, RocAuc()],
+                    cbs=list(cbs))
+    return learn
+
+def test_inference_batches_are_cut_under_auto_and_equal_the_uncut_run():
+    """Under 'auto' an out-of-memory error in validate, fit's validation, get_preds, predict and tta cuts that batch
+    (16 -> 8 -> 4 here) and runs it again: loss and metrics (AvgLoss, AvgMetric accuracy, AccumMetric RocAuc) within 1e-6
+    of the uncut run, predictions and targets equal and in order. Training keeps its own size (8: it never ran out)"""
+    ref,got = clf_learner(),clf_learner(n_oom=5, cbs=[GradientAccumulation(micro_bs='auto')])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        fit_quiet(ref, 1); fit_quiet(got, 1)   # fit's own validation phase
+        va,vb = ref.recorder.values[-1],got.recorder.values[-1]
+        a,b = ref.validate(),got.validate()
+        pa,pb = ref.get_preds(with_loss=True),got.get_preds(with_loss=True)
+        da,db = ref.predict(3),got.predict(3)
+        ta,tb = ref.tta(n=2),got.tta(n=2)
+    ga = got.gradient_accumulation
+    assert ga.inference_bs == 4 and ga.micro_bs == 8
+    assert sum('inference batches are now cut into pieces of' in str(w.message) for w in caught) == 2   # 16->8, 8->4 once
+    assert max(got.model[1].calls[2:]) <= 4   # the size found is kept
+    assert len(va) == 4 and len(a) == 3   # train loss, valid loss, accuracy, roc auc
+    for x,y in zip(va + a, vb + b): assert abs(x-y) <= 1e-6
+    assert torch.allclose(pa[0], pb[0], atol=1e-6) and torch.equal(pa[1], pb[1]) and torch.allclose(pa[2], pb[2], atol=1e-6)
+    assert da[0] == db[0] and torch.allclose(da[2], db[2], atol=1e-6)
+    assert torch.allclose(ta[0], tb[0], atol=1e-6) and torch.equal(ta[1], tb[1])
+    assert 'one_batch' not in got.__dict__ and 'forward' not in got.model.__dict__   # nothing left behind
+
+def test_inference_of_one_item_that_does_not_fit_is_a_clear_error():
+    learn = clf_learner(n_oom=0, cbs=[GradientAccumulation(micro_bs='auto')])
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with pytest.raises(RuntimeError, match="out of memory in inference with a batch of 1 item"): learn.predict(3)
+    assert 'one_batch' not in learn.__dict__ and 'forward' not in learn.model.__dict__
+    learn.model[1].n = 10**9
+    learn.predict(3)   # the Learner still works
+
+def test_fixed_micro_bs_does_not_touch_inference():
+    learn = clf_learner(n_oom=5, cbs=[GradientAccumulation(micro_bs=4)])
+    with pytest.raises(torch.OutOfMemoryError): learn.validate()   # the user's loader batch: their error to see
+
+# -- models that carry state between batches ---------------------------------------------------------------------------
+@pytest.fixture
+def lm_learner():
+    """A fastai AWD_LSTM language model (its hidden state carries one row per batch row into the next batch) with
+    fastai's rnn callbacks (ModelResetter, RNNCallback, RNNRegularizer with AR/TAR), dropout off"""
+    from fastai.text.models.awdlstm import AWD_LSTM
+    from fastai.text.models.core import get_language_model
+    from fastai.text.data import LMDataLoader
+    from fastai.data.core import DataLoaders
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randint(2, 30, (int(n),), generator=g) for n in torch.randint(20, 60, (24,), generator=g)]
+    # weight_p 1e-12, not 0: fastai 2.8's WeightDropout registers torch 2.14's dropout output for p=0 (the Parameter
+    # itself) as a parameter, and its reset() then fails; at 1e-12 no weight is ever dropped
+    cfg = dict(emb_sz=8, n_hid=12, n_layers=2, pad_token=1, bidir=False, output_p=0., hidden_p=0., input_p=0.,
+               embed_p=0., weight_p=1e-12, tie_weights=True, out_bias=True)
+    def make(cbs=()):
+        torch.manual_seed(0)
+        model = get_language_model(AWD_LSTM, 30, config=dict(cfg), drop_mult=1.)
+        dls = DataLoaders(LMDataLoader(texts, bs=8, seq_len=6), LMDataLoader(texts[:8], bs=8, seq_len=6), device='cpu')
+        return Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.5, cbs=rnn_cbs(2., 1.) + list(cbs))
+    return make
+
+def test_language_model_pieces_run_with_their_own_rows_state(lm_learner):
+    """micro_bs=3 on loader batches of 8 rows: each piece starts from its own rows of the carried hidden state and
+    writes its rows back, so the fit equals the unsplit one (weights <= 1e-5; before: 1.4e-3 apart, no warning), and
+    the validation loss is the same"""
+    ref,got = fit_quiet(lm_learner(), 1),fit_quiet(lm_learner([GradientAccumulation(micro_bs=3)]), 1)
+    w = lambda l: flat([p.detach() for p in l.model.parameters()])
+    assert rel_err(w(got), w(ref)) <= 1e-5
+    assert abs(got.recorder.values[-1][1] - ref.recorder.values[-1][1]) <= 1e-6
+    assert got.gradient_accumulation.steps == len(ref.dls.train)
+
+class CarriesState(nn.Module):
+    "A model that adds what it saw in the last batch (per row): state between batches, and a `reset()`"
+    def __init__(self): super().__init__(); torch.manual_seed(0); self.lin,self.h = nn.Linear(5, 3),None
+    def reset(self): self.h = None
+    def forward(self, x):
+        out = self.lin(x) + (0. if self.h is None or len(self.h) != len(x) else self.h)
+        self.h = out.detach()
+        return out
+
+class SplitsState(CarriesState):
+    "The same, offering its rows: `get_batch_state(bs)` / `set_batch_state(state)`"
+    def get_batch_state(self, bs):
+        return self.h if self.h is not None and (bs is None or len(self.h) == bs) else torch.zeros(bs, 3)
+    def set_batch_state(self, state): self.h = state
+
+def test_unsplittable_state_is_refused_at_fit_start_and_the_protocol_splits():
+    ds = make_data(32)
+    learn = make_learner(ds, 8, cbs=[GradientAccumulation(micro_bs=3)], model=CarriesState())
+    with pytest.raises(StatefulModelError, match=r"CarriesState.*get_batch_state.*set_batch_state"): fit_quiet(learn, 1)
+    assert type(learn.__dict__.get('dl')).__name__ != 'MicroBatches' and 'one_batch' not in learn.__dict__
+    ref = fit_quiet(make_learner(ds, 8, model=SplitsState(), dtype=F64), 2)
+    got = fit_quiet(make_learner(ds, 8, cbs=[GradientAccumulation(micro_bs=3)], model=SplitsState(), dtype=F64), 2)
+    assert rel_err(weights(got), weights(ref)) <= TOL
+    m = CarriesState(); m.carries_batch_state = False   # the user says it holds nothing between batches
+    fit_quiet(make_learner(ds, 8, cbs=[GradientAccumulation(micro_bs=3)], model=m), 1)
+
+# -- the progress total after a halving ---------------------------------------------------------------------------------
+class IterSpy(Callback):
+    order,run_valid = 61,False   # after the ProgressCallback (60) updated its bar
+    def before_fit(self): self.seen = []
+    def after_batch(self):
+        pbar = getattr(getattr(self.learn, 'progress', None), 'pbar', None)
+        self.seen.append((self.iter, self.n_iter, pbar.total if pbar is not None else None))
+
+def test_progress_and_n_iter_follow_the_size_in_force(capsys):
+    """Halving mid-epoch (16 -> 8 -> 4) re-counts the epoch's micro-batches: `learn.n_iter` (schedules and
+    ShortEpochCallback read it) and the progress bar's total (was 18/4, 450%) follow the size in force"""
+    ds = make_data(64)
+    spy = IterSpy()
+    learn = make_learner(ds, 16, cbs=[GradientAccumulation(micro_bs='auto'), spy], loss_func=OOMAbove(5), dtype=F64)
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)   # with fastai's progress bar
+    its = spy.seen
+    assert all(i < n and n == t for i,n,t in its), its
+    assert its[-1][0] == its[-1][1]-1 == len(its)+2-1   # 2 undone attempts took an iteration each
+    assert its[0][1] == 2 + 16   # after the two halvings: the two attempts, then 16 micro-batches of 4
+
+# -- our code warns nothing in a clean fit --------------------------------------------------------------------------------
+@pytest.mark.parametrize('ga,bn', [(dict(n_step=2), None), (dict(target_bs=16), 'pool'), (dict(micro_bs=3), 'momentum'),
+                                   (dict(micro_bs='auto'), 'pool'), (dict(n_step=2, micro_bs=4), 'freeze'),
+                                   (dict(n_step=2), 'renorm'), (dict(micro_bs=4), 'groupnorm')])
+def test_no_warning_from_our_code_in_a_clean_fit(ga, bn):
+    "Each feature fits, validates and predicts under `warnings.simplefilter('error')` (the `_split` shadowing warning was raised at every micro_bs fit)"
+    ds = make_data(32)
+    cbs = [GradientAccumulation(**ga)] + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
+    learn = make_learner(ds, 8, cbs=cbs, model=BNDropNet(p=0.) if bn else None, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        warnings.filterwarnings('ignore', category=DeprecationWarning)
+        warnings.filterwarnings('ignore', category=FutureWarning, module='torch')   # torch's own deprecations
+        fit_quiet(learn, 2); learn.validate(); learn.get_preds()
+
+# -- a callback before ours cancels the step of a micro-batch inside a window --------------------------------------------
+class CancelStepAt(Callback):
+    "Ordered before GradientAccumulation: raises CancelStepException in `before_step` at the given micro-batches"
+    order = GradientAccumulation.order-1
+    def __init__(self, at): self.at,self.k = set(at),-1
+    def before_fit(self): self.k = -1
+    def before_step(self):
+        self.k += 1
+        if self.k in self.at: raise CancelStepException()
+
+def test_a_step_cancelled_inside_a_window_keeps_the_window():
+    """fastai zeroes the gradients after a cancelled step: at a micro-batch that does not close its window that emptied
+    the window's first part, and the step then applied the rest normalised by the whole window (wrong). The window's
+    gradient is kept: every step is the big batch's, and the run equals one without the cancels"""
+    ds = make_data(48)
+    spy = WindowSpy()
+    got = make_learner(ds, 4, cbs=[CancelStepAt({0, 1, 5, 9}), GradientAccumulation(n_step=4), spy], dtype=F64)
+    fit_quiet(got, 1)
+    ref = fit_quiet(make_learner(ds, 4, cbs=[GradientAccumulation(n_step=4)], dtype=F64), 1)
+    assert spy.errs and max(spy.errs) <= TOL and got.gradient_accumulation.steps == 3
+    assert rel_err(weights(got), weights(ref)) <= TOL
+    # a cancelled closing micro-batch drops its window, counted, with the gradients zeroed
+    got = make_learner(ds, 4, cbs=[CancelStepAt({3}), GradientAccumulation(n_step=4)], dtype=F64)
+    fit_quiet(got, 1)
+    assert got.gradient_accumulation.n_step_cancelled == 1 and got.gradient_accumulation.steps == 2
