@@ -14,7 +14,7 @@ from .distributed import sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
-from .schedule import _whole
+from .schedule import whole_number
 
 __all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats']
 
@@ -28,7 +28,7 @@ def accumulated_momentum(
     >>> round(accumulated_momentum(0.1, 4), 6)
     0.025996
     """
-    k = _whole(k, 'k')
+    k = whole_number(k, 'k')
     if m is None: return None
     if isinstance(m, bool) or not isinstance(m, Real) or not 0 <= m <= 1: raise ValueError(f"`m` must be in [0, 1] or None, got {m!r}")
     return 1 - (1-float(m))**(1/k)
@@ -283,7 +283,7 @@ class BatchNormAccumulation(Callback):
     ):
         if not isinstance(mode, str) or mode not in BN_MODES: raise ValueError(f"`mode` must be one of {BN_MODES}, got {mode!r}")
         if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
-        _whole(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
+        whole_number(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
         store_attr()
         self.ga,self.active,self._warned = None,None,False
 

@@ -7,7 +7,7 @@ from numbers import Real
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .schedule import _whole
+from .schedule import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
            'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm']
@@ -68,7 +68,7 @@ def bn_to_groupnorm(
     >>> type(m.bn1).__name__, m.bn1.num_groups, m.layer4[0].bn2.num_channels
     ('GroupNorm', 32, 512)
     """
-    num_groups = _whole(num_groups, 'num_groups')
+    num_groups = whole_number(num_groups, 'num_groups')
     stats,single = [],[]
     def fn(bn, name):
         g = _groups(bn.num_features, num_groups)
@@ -105,8 +105,8 @@ class BatchRenorm(_BatchNorm):
         warmup:int=0, # training forwards with r_max=1, d_max=0 (plain BatchNorm) first
         ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
         device=None, dtype=None):
-        num_features = _whole(num_features, 'num_features')
-        r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),_whole(warmup, 'warmup', lo=0),_whole(ramp, 'ramp', lo=0)
+        num_features = whole_number(num_features, 'num_features')
+        r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),whole_number(warmup, 'warmup', lo=0),whole_number(ramp, 'ramp', lo=0)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)

@@ -4,9 +4,9 @@ import math
 from collections.abc import Mapping
 from numbers import Integral, Real
 
-__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr']
+__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'whole_number']
 
-def _whole(v, name:str, where:str='', lo:int=1)->int:
+def whole_number(v, name:str, where:str='', lo:int=1)->int:
     "`v` as an int >= `lo`, or a `ValueError`/`TypeError` naming `name` (and `where` it was given)"
     if isinstance(v, bool) or not isinstance(v, Integral):
         raise TypeError(f"`{name}` must be a whole number >= {lo}{where}, got {v!r} ({type(v).__name__})")
@@ -23,13 +23,13 @@ class WindowSchedule:
                 if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:
                     raise TypeError(f"`{name}` mapping keys must be epochs (whole numbers >= 0), got {k!r}")
             if 0 not in value: raise ValueError(f"`{name}` mapping must give the value for epoch 0, got keys {sorted(value)}")
-            self.table = sorted((int(k), _whole(v, name, f' (value for epoch {k})')) for k,v in value.items())
+            self.table = sorted((int(k), whole_number(v, name, f' (value for epoch {k})')) for k,v in value.items())
             self.kind = 'epochs'
         elif callable(value):
             self.kind,self.fn = 'fn',value
             for i in range(101): self._from_fn(i/100)  # validate over the whole of training, at construction
         else:
-            self.const,self.kind = _whole(value, name),'const'
+            self.const,self.kind = whole_number(value, name),'const'
 
     def _from_fn(self, pct:float)->int:
         try: v = float(self.fn(pct))
@@ -61,8 +61,8 @@ def batch_growth_from_lr(lr_sched, base:int, max_value:int|None=None, name:str='
     >>> batch_growth_from_lr({0: 0.1, 3: 0.01}, base=2, max_value=16)
     {0: 2, 3: 16}
     """
-    base = _whole(base, 'base')
-    if max_value is not None: max_value = _whole(max_value, 'max_value')
+    base = whole_number(base, 'base')
+    if max_value is not None: max_value = whole_number(max_value, 'max_value')
     cap = (lambda v: v) if max_value is None else (lambda v: min(v, max_value))
     if isinstance(lr_sched, Mapping):
         if 0 not in lr_sched: raise ValueError("`lr_sched` mapping must give the learning rate for epoch 0")
