@@ -13,6 +13,7 @@ from fastcore.basics import patch
 
 from .distributed import is_ddp as _is_ddp, all_reduce_grads, enter_no_sync, exit_no_sync, sum_over_ranks, world_size
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
+from .losses import loss_items, loss_reduction
 from .micro import MicroBatcher, MicroBatches, is_out_of_memory
 from .schedule import WindowSchedule, as_window_schedule
 
@@ -42,12 +43,13 @@ class Window:
     begun, with `micro_bs`). Current micro-batch: `bs`, `action` ('step', 'drop' or None: the
     window stays open), `n` (its items, None until/unless its backward runs), `counted` (its backward ran and counts)."""
     __slots__ = ('n_micro', 'n_samples', 'items', 'loss_sum', 'ref', 'hypers', 'target', 'n_units', 'unit_action',
-                 'bs', 'action', 'n', 'counted', 'resolved', 'step_cancelled', 'log', 'hypers_now', 'no_sync')
+                 'bs', 'action', 'n', 'counted', 'resolved', 'step_cancelled', 'log', 'hypers_now', 'no_sync', 'summed')
     def __init__(self): self.reset(); self.start_micro(); self.hypers_now = self.no_sync = None
     def reset(self):
         "Forget the window (what its micro-batches left in the gradients is the caller's to step or zero)"
         self.n_micro,self.n_samples,self.items,self.loss_sum,self.ref,self.hypers,self.target = 0,0,0.,0.,None,None,None
         self.n_units,self.unit_action = 0,None   # with `micro_bs`: loader batches in the window, and the last one's decision
+        self.summed = False   # the loss sums over its items (`reduction='sum'`): the window's gradient is the sum
     def start_micro(self, bs:int=0, action=None):
         self.bs,self.action,self.n,self.counted,self.resolved,self.step_cancelled,self.log = bs,action,None,False,False,False,None
     @property
@@ -247,7 +249,9 @@ class GradientAccumulation(Callback):
 
     def before_backward(self):
         learn,w = self.learn,self.window
-        n = self.n_items(learn) if self.n_items is not None else w.bs
+        # the count the loss averages over: the user's `n_items`, that of a known weighted / ignore_index loss, or the batch size
+        n = self.n_items(learn) if self.n_items is not None else loss_items(learn.loss_func, learn.yb)
+        if n is None: n = w.bs
         if isinstance(n, torch.Tensor): n = n.detach().float().squeeze()
         elif isinstance(n, bool) or not isinstance(n, (Integral, float)):
             raise TypeError(f"`n_items` must return an int or a 0-d tensor, got {type(n).__name__}")
@@ -257,8 +261,10 @@ class GradientAccumulation(Callback):
             # Loss scale reference: the backward loss keeps the size of one mean-reduced loss. Under DDP every rank
             # needs the same constant, so it is the loader's batch size there.
             w.ref = float(learn.dls.train.bs) if self._ddp() else (n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1))
+            # a known loss class with reduction='sum': the big batch's loss is the sum of the micro-batches' sums
+            w.summed = loss_reduction(learn.loss_func) == 'sum'
         w.n = n
-        learn.loss_grad = learn.loss_grad * (n/w.ref)
+        if not w.summed: learn.loss_grad = learn.loss_grad * (n/w.ref)
 
     # Another callback cancelled the backward (before or after our `before_backward`): nothing of it counts
     def after_cancel_backward(self): self.window.n = None
@@ -272,7 +278,8 @@ class GradientAccumulation(Callback):
         w.n_micro += 1; w.n_samples += w.bs; w.items = w.items + n; w.counted = True
         loss = self.learn.loss.detach().float()
         # a micro-batch of zero items (all ignore_index, all padding) contributes zero, also when its mean loss is NaN
-        if isinstance(n, torch.Tensor): w.loss_sum = w.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
+        if w.summed: w.loss_sum = w.loss_sum + loss
+        elif isinstance(n, torch.Tensor): w.loss_sum = w.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
         elif n > 0: w.loss_sum = w.loss_sum + loss*n
 
     def before_step(self):
@@ -288,7 +295,7 @@ class GradientAccumulation(Callback):
             if self.skip_nonfinite or items <= 0: self.n_skipped += 1; self._close(False); raise CancelBatchException()
         if self._ranks_retry(): all_reduce_grads([p for p,*_ in self.learn.opt.all_params()]); world = 1   # none ran in no_sync
         else: world = world_size(self.learn.model)   # DDP averaged the gradients over the ranks
-        scale = float(w.ref)*world/items
+        scale = float(world) if w.summed else float(w.ref)*world/items   # DDP averaged over the ranks: undo that for a sum
         grads = [p.grad for p,*_ in self.learn.opt.all_params(with_grad=True)]
         if grads and scale != 1.: torch._foreach_mul_(grads, scale)
         self._use_window_hypers()
@@ -415,3 +422,5 @@ def accumulate(self:Learner,
     cb = GradientAccumulation(n_step, **kwargs)   # validate before touching the Learner
     self.remove_cbs([c for c in self.cbs if isinstance(c, (GradientAccumulation, FastaiGradientAccumulation))])
     return self.add_cb(cb)
+
+from . import check as _check   # noqa: E402,F401  `Learner.check_accumulation`, there as soon as the callback is

@@ -15,7 +15,7 @@ from fastai.torch_core import find_bs
 
 from .distributed import is_ddp, is_fsdp, sum_over_ranks, unwrap
 
-__all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError']
+__all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds']
 
 _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
               'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
@@ -24,6 +24,13 @@ def is_out_of_memory(e:BaseException)->bool:
     "Does `e` say the micro-batch did not fit: `torch.OutOfMemoryError`, or a RuntimeError that means the same"
     if isinstance(e, torch.OutOfMemoryError): return True
     return isinstance(e, RuntimeError) and any(t in str(e) for t in _OOM_TEXTS)
+
+def piece_bounds(n:int, size:int)->list:
+    "`(start, end)` of the near-equal pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size`"
+    out,s = [],0
+    while s < n:
+        left = n-s; e = s + -(-left//-(-left//size)); out.append((s, e)); s = e
+    return out
 
 def _first_line(e:BaseException)->str: return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
@@ -470,8 +477,7 @@ class MicroBatcher:
                           f"batches are now cut into pieces of {cur//2} (training keeps micro_bs {self.size})", stacklevel=2)
 
     def _pieces(self, fwd, args, kw, n:int, size:int):
-        k = -(-n//size)
-        bounds = [(n*j//k, n*(j+1)//k) for j in range(k)]   # near-equal pieces, none larger than `size`
+        bounds = piece_bounds(n, size)
         rows = self.rows if self.rows else RowStates(stateful_modules(self.learn.model)[0])
         if rows: rows.begin(n)
         try:

@@ -116,7 +116,7 @@ class CancelOnRank(Callback):
         if self.k == self.at: raise CancelBatchException()
 
 def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=None, bucket_cap_mb=1e-4,
-          seed=0, bn=None, shift=0., oom=None, cancel=None):
+          seed=0, bn=None, shift=0., oom=None, cancel=None, check=False):
     "Train an MLP (float64) on this rank's shard of `sizes` samples under `ddp`; `ga`: kwargs for `GradientAccumulation`"
     ds = shard(sizes, rank, seed=seed, tokens=tokens)
     if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
@@ -138,6 +138,7 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     counter = count_allreduces(learn.model) if ddp is not None else None
     spy = DDPSpy(counter or _NullCounter())
     learn.add_cb(spy)
+    report = learn.check_accumulation() if check else None   # each rank on its own samples, no collective
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore'); learn.fit(n_epoch, lr=LR)
     ga_cb = getattr(learn, 'gradient_accumulation', None)
@@ -148,7 +149,8 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
                 steps=ga_cb.steps if isinstance(ga_cb, GradientAccumulation) else None,
                 window_items=list(ga_cb.window_items) if isinstance(ga_cb, GradientAccumulation) else None,
                 n_dropped=ga_cb.n_dropped if isinstance(ga_cb, GradientAccumulation) else None,
-                micro_bs=ga_cb.micro_bs if isinstance(ga_cb, GradientAccumulation) else None)
+                micro_bs=ga_cb.micro_bs if isinstance(ga_cb, GradientAccumulation) else None,
+                check=None if report is None else dict(exact=report.exact, sizes=report.micro_sizes, causes=report.causes))
 
 class CountOnceWrapped(Callback):
     "Register the counting hook once fastai's `DistributedTrainer` (order 11) has wrapped the model"

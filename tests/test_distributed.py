@@ -33,6 +33,9 @@ SCENARIOS = dict(
     # and the same at the micro-batch where rank 0 runs out of memory
     auto_cancel_rank1= dict(sizes=[32,32], bs=8, ga=dict(n_step=2, micro_bs='auto'), cancel=(1, 3)),
     auto_cancel_oom  = dict(sizes=[32,32], bs=8, ga=dict(micro_bs='auto'), oom=(0, 4), cancel=(1, 1)),
+    # issue 21: learn.check_accumulation() under DDP, each rank on its own samples (rank 0's BatchNorm model too)
+    check_ddp        = dict(sizes=[32,32], ga=dict(n_step=4), check=True),
+    check_ddp_bn     = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1., check=True),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
 
@@ -187,3 +190,8 @@ def test_auto_cancel_on_one_rank_and_oom_on_the_other(runs):
     r0,r1 = get(runs, 'auto_cancel_oom')
     assert r0['micro_bs'] == r1['micro_bs'] == 4 and torch.equal(r0['params'], r1['params'])
     check_large_batch(r0, r1)
+
+def test_check_accumulation_on_each_rank(runs):
+    for name,causes in (('check_ddp', ()), ('check_ddp_bn', ('batchnorm',))):
+        for r in get(runs, name):
+            assert r['check']['sizes'] == [4]*4 and r['check']['causes'] == causes and r['check']['exact'] == (not causes)

@@ -1,0 +1,307 @@
+"""`learn.check_accumulation()`: is the accumulated gradient the big batch's on *this* Learner (its model, loss,
+`GradientAccumulation` and `BatchNormAccumulation` settings, mixed precision), and if not, why? Every cause is found by
+an experiment that switches the suspect off and sees the difference vanish, never guessed from the model's type. The
+check works on a copy of the model: the Learner (weights, buffers, optimizer, RNG states, gradients, train/eval mode,
+callbacks) is left exactly as it was."""
+from __future__ import annotations
+import copy, math, random
+from dataclasses import dataclass, field
+from numbers import Integral
+
+import numpy as np
+import torch, torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from fastai.callback.fp16 import MixedPrecision
+from fastai.learner import Learner
+from fastai.torch_core import find_bs, to_device
+from fastcore.basics import patch
+
+from .distributed import is_fsdp, unwrap
+from .losses import loss_items, loss_reduction
+from .micro import _cat, _slice, piece_bounds, stateful_modules
+from .norm_layers import is_batchnorm
+
+__all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
+
+CHECK_CAUSES = ('loss_not_mean', 'n_items', 'batchnorm', 'dropout', 'not_per_sample', 'nonfinite', 'unexplained')
+CAUSE_ADVICE = dict(
+    loss_not_mean="the loss sums over its items (e.g. reduction='sum') where its micro-batches are weighed as means: use "
+                  "reduction='mean', or a torch/fastai loss class with reduction='sum' (accumulated as the sum it is)",
+    n_items="the loss averages over a count other than the batch size (class weights, ignore_index, padding): pass "
+            "GradientAccumulation(n_items=lambda learn: <that count of learn.yb>)",
+    batchnorm="BatchNorm normalises each micro-batch with its own statistics: BatchNormAccumulation('freeze') or "
+              "'groupnorm' give the big batch's gradient; 'pool'/'momentum' keep the running statistics right and train "
+              "on micro-batch statistics (ghost batch norm), usually harmless",
+    dropout="dropout (or another layer random in training) draws other masks for micro-batches than for one batch: "
+            "expected and harmless, the same distribution",
+    not_per_sample="the model mixes the samples of a batch or carries state from one batch to the next: one big batch "
+                   "is another computation (expected for language models; micro_bs splits their rows exactly)",
+    nonfinite="a micro-batch gave a non-finite loss or gradient: GradientAccumulation(skip_nonfinite=True) drops its window",
+    unexplained="the difference stays with BatchNorm, dropout and the loss ruled out: a layer or loss this check does not "
+                "model (please report it)")
+
+# relative error that counts as exact, by the dtype the model computes in
+_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+@dataclass
+class AccumulationReport:
+    """What `check_accumulation` found. `exact`: the accumulated gradient is the big batch's within `tol` (the tolerance
+    of `dtype`); `rel_error`: relative L2 error over the whole model; `worst`: the parameter tensors furthest off, by
+    name; `causes`: names from `CHECK_CAUSES`, each found by an experiment; `errors`: what each experiment measured
+    (relative; the gradient with only that suspect on, or for the loss causes the loss of the whole batch against the
+    counts-weighted losses of its parts); `advice`: one line per cause"""
+    exact: bool
+    rel_error: float
+    tol: float
+    dtype: str
+    n_step: int
+    micro_sizes: list
+    worst: list = field(default_factory=list)
+    causes: tuple = ()
+    errors: dict = field(default_factory=dict)
+    advice: dict = field(default_factory=dict)
+    reference: str = 'device'   # where the big batch ran: the model's device, or 'cpu' after an out-of-memory error
+
+    def rows(self)->list:
+        rows = [('verdict', 'exact' if self.exact else 'NOT exact'),
+                ('relative error', f'{self.rel_error:.2e} (tolerance {self.tol:.0e}, {self.dtype})'),
+                ('micro-batches', f"{self.n_step} of {'+'.join(map(str, self.micro_sizes))} items against one batch of {sum(self.micro_sizes)}")]
+        if self.worst: rows.append(('worst tensors', ', '.join(f'{n} {e:.1e}' for n,e in self.worst)))
+        for c in self.causes: rows.append((f'cause: {c}', f"{self.errors[c]:.1e}; {self.advice[c]}" if c in self.errors else self.advice[c]))
+        if self.reference != 'device': rows.append(('note', f'the big batch ran on the {self.reference} (out of memory on the device)'))
+        return rows
+    def __str__(self):
+        rows = self.rows(); w = max(len(k) for k,_ in rows)
+        return '\n'.join(['check_accumulation', '-'*(w+60)] + [f'{k:<{w}}  {v}' for k,v in rows])
+    def _repr_markdown_(self):
+        return '| check_accumulation | |\n|---|---|\n' + '\n'.join(f'| {k} | {v} |' for k,v in self.rows())
+    __repr__ = __str__
+
+# -- taking the micro-batches ----------------------------------------------------------------------------------------------
+def _micro_batches(learn, n_step:int, size)->list:
+    "The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one"
+    dl = learn.dls.train.new(shuffle=False, drop_last=False) if hasattr(learn.dls.train, 'new') else learn.dls.train
+    out = []
+    for b in dl:
+        b = to_device(b, _device(learn.model))
+        n = find_bs(b)
+        for s,e in (piece_bounds(n, size) if size else [(0, n)]):
+            out.append(b if (s, e) == (0, n) else _slice(b, s, e))
+            if len(out) == n_step: return out
+    raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
+                     "pass a smaller n_step")
+
+def _device(model): return next(iter(model.parameters()), torch.empty(0)).device
+
+def _split_xy(learn, b):
+    i = getattr(learn.dls, 'n_inp', 1 if len(b) == 1 else len(b)-1)
+    return tuple(b[:i]),tuple(b[i:])
+
+class _View:
+    "What `n_items(learn)` reads: this micro-batch's `xb`, `yb`, `pred`, `loss`; anything else from the Learner"
+    def __init__(self, learn, **kw): self.__dict__.update(kw); self._learn = learn
+    def __getattr__(self, k): return getattr(self.__dict__['_learn'], k)
+
+# -- the experiments ---------------------------------------------------------------------------------------------------------
+class _Runner:
+    "Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches"
+    def __init__(self, learn, batches, model, ga, bna):
+        self.learn,self.batches,self.ga,self.bna = learn,[_split_xy(learn, b) for b in batches],ga,bna
+        self.model0 = model
+        self.stateful = any(stateful_modules(model)[0]) or any(stateful_modules(model)[1])
+        self.model = copy.deepcopy(model)
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
+        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+        amp = getattr(mp, 'amp_mode', None) if mp is not None else None
+        self.autocast = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
+        p = next(iter(model.parameters()), None)
+        self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
+        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+    def fresh(self):
+        "The copy as the Learner's model is now (buffers, and any state a stateful model carries), the RNG as it was"
+        if self.stateful: self.model = copy.deepcopy(self.model0)
+        else:
+            with torch.no_grad():
+                for b,v in self.buffers: b.copy_(v)
+            for m,k in self.steps: m.renorm_steps = k
+        torch.set_rng_state(self.rng[0])
+        if self.rng[1] is not None: torch.cuda.set_rng_state_all(self.rng[1])
+        return self.model
+
+    def modes(self, m, bn:bool, drop:bool):
+        """Training mode as the Learner trains (`bn`, `drop` True), with BatchNorm's batch statistics off (`bn` False: its
+        running statistics, as in eval) or every other train-mode behaviour off (`drop` False: dropout, drop-path...)"""
+        m.train(drop)
+        frozen = self.bna is not None and self.bna.mode == 'freeze'
+        for mod in m.modules():
+            if isinstance(mod, _BatchNorm): mod.train(bn and not frozen)   # BatchNorm, SyncBatchNorm, Batch Renorm
+
+    def _ctx(self, m):
+        dev = _device(m).type
+        return torch.autocast(dev, dtype=self.autocast) if self.autocast is not None else torch.autocast(dev, enabled=False)
+
+    def _count(self, xb, yb, pred, loss):
+        ga,learn = self.ga,self.learn
+        if ga is not None and ga.n_items is not None: n = ga.n_items(_View(learn, xb=xb, yb=yb, pred=pred, loss=loss))
+        else: n = loss_items(learn.loss_func, yb)
+        return find_bs(yb if len(yb) else xb) if n is None else n
+
+    def grads(self, accumulate:bool, bn=True, drop=True)->tuple[torch.Tensor,list,bool]:
+        "(flat gradient, [(name, grad)], all finite) as the Learner's step would see it, or of the one big batch"
+        m = self.fresh(); self.modes(m, bn, drop)
+        for p in m.parameters(): p.grad = None
+        lf,finite = self.learn.loss_func,True
+        summed = loss_reduction(lf) == 'sum'
+        if accumulate:
+            items,ref = 0.,None
+            for xb,yb in self.batches:
+                with self._ctx(m):
+                    pred = m(*xb); loss = lf(pred, *yb)
+                n = self._count(xb, yb, pred, loss)
+                n = n.detach().double() if isinstance(n, torch.Tensor) else float(n)
+                if ref is None: ref = max(float(n), 1.)
+                finite = finite and bool(torch.isfinite(loss).all())
+                (loss if summed else loss*(n/ref)).backward()
+                items = items + n
+            scale = 1. if summed else ref/float(items)
+        else:
+            xb,yb = [_cat(list(z)) for z in zip(*[b[0] for b in self.batches])],[_cat(list(z)) for z in zip(*[b[1] for b in self.batches])]
+            with self._ctx(m):
+                loss = lf(m(*xb), *yb)
+            finite = bool(torch.isfinite(loss).all())
+            loss.backward(); scale = 1.
+        named = [(n, (p.grad.detach().double()*scale) if p.grad is not None else torch.zeros_like(p, dtype=torch.float64))
+                 for n,p in m.named_parameters() if p.requires_grad]
+        flat = torch.cat([g.reshape(-1) for _,g in named]) if named else torch.zeros(0, dtype=torch.float64)
+        return flat,named,finite and bool(torch.isfinite(flat).all())
+
+    @torch.no_grad()
+    def outputs(self, bn:bool, drop:bool, keep:bool=False)->float:
+        """Relative difference of the outputs of the first two micro-batches, run one after the other, from the output
+        of one batch of both (two are enough to see a layer mix samples, and cost less than a window)"""
+        bs = self.batches[:2]
+        m = self.fresh(); self.modes(m, bn, drop)
+        with self._ctx(m): preds = [m(*xb) for xb,_ in bs]
+        m = self.fresh(); self.modes(m, bn, drop)
+        xb = [_cat(list(z)) for z in zip(*[b[0] for b in bs])]
+        with self._ctx(m): whole = m(*xb)
+        if keep: self.quiet_preds = preds
+        return _rel(_flat_out(_cat(preds)), _flat_out(whole))
+
+    @torch.no_grad()
+    def loss_split(self)->tuple[float,float]:
+        """The loss of the first two micro-batches together against their own losses, on the same predictions (those
+        of the deterministic `outputs(False, False)` run): (error of the counts-weighted mean the Learner uses, error of
+        a plain sum)"""
+        lf,preds,bs = self.learn.loss_func,self.quiet_preds,self.batches[:2]
+        big = float(lf(_cat(preds), *[_cat(list(z)) for z in zip(*[b[1] for b in bs])]))
+        ls,ns = [],[]
+        for p,(xb,yb) in zip(preds, bs):
+            ls.append(float(lf(p, *yb))); ns.append(float(self._count(xb, yb, p, None)))
+        if loss_reduction(lf) == 'sum': mean = sum(ls)
+        else: mean = sum(l*n for l,n in zip(ls, ns) if n > 0)/max(sum(ns), 1e-30)
+        d = max(abs(big), 1e-30)
+        return abs(mean-big)/d, abs(sum(ls)-big)/d
+
+def _flat_out(o):
+    if isinstance(o, torch.Tensor): return o.detach().double().reshape(-1)
+    if isinstance(o, (tuple, list)): return torch.cat([_flat_out(x) for x in o]) if o else torch.zeros(0, dtype=torch.float64)
+    if isinstance(o, dict): return _flat_out(list(o.values()))
+    return torch.zeros(0, dtype=torch.float64)
+
+def _rel(a, b)->float:
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()): return math.inf
+    return float((a-b).norm()/b.norm().clamp_min(1e-30)) if b.numel() else 0.
+
+# -- the check ------------------------------------------------------------------------------------------------------------------
+def _whole_n_step(n_step):
+    if isinstance(n_step, bool) or not isinstance(n_step, Integral):
+        raise ValueError(f"`n_step` must be a whole number >= 1 (micro-batches to accumulate), got {n_step!r}")
+    if n_step < 1: raise ValueError(f"`n_step` must be >= 1 (micro-batches to accumulate), got {n_step}")
+    return int(n_step)
+
+def _run_check(learn, n_step:int|None=None)->AccumulationReport:
+    """Compare the gradient `learn` accumulates over `n_step` micro-batches of its training loader with the gradient of
+    one batch of exactly those samples, and say why they differ (see `AccumulationReport`). Changes nothing."""
+    from .accumulate import GradientAccumulation
+    from .batchnorm import BatchNormAccumulation
+    ga = next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
+    bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
+    if n_step is None:
+        n_step = 4
+        if ga is not None:
+            try: n_step = ga.window_n_step
+            except Exception: pass
+    n_step = _whole_n_step(n_step)
+    if is_fsdp(learn.model):
+        raise ValueError("check_accumulation: the model is sharded with FSDP2; run the check before sharding it (on one "
+                         "process), or under DDP, where each rank checks its own samples")
+    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+             random.getstate(), np.random.get_state())
+    try:
+        batches = _micro_batches(learn, n_step, ga.micro_bs if ga is not None else None)
+        model = unwrap(learn.model)   # under DDP each rank checks its own samples, without collectives
+        if bna is not None and bna.mode in ('groupnorm', 'renorm') and any(is_batchnorm(m) for m in model.modules()):
+            from .batchnorm import MODES
+            model = MODES[bna.mode](bna).convert(copy.deepcopy(model))   # as training will convert it, on a copy
+        return _check(learn, batches, model, ga, bna, n_step)
+    finally:
+        torch.set_rng_state(saved[0])
+        if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
+        random.setstate(saved[2]); np.random.set_state(saved[3])
+
+def _check(learn, batches, model, ga, bna, n_step)->AccumulationReport:
+    r = _Runner(learn, batches, model, ga, bna)
+    tol = _TOL.get(r.dtype, 1e-5)
+    sizes = [find_bs(b) for b in batches]
+    acc,named_a,fa = r.grads(True)
+    ref = 'device'
+    try: big,named_b,fb = r.grads(False)
+    except torch.OutOfMemoryError:   # the big batch does not fit where the micro-batches do: compute it on the CPU
+        r.model0,r.model = copy.deepcopy(r.model0).cpu(),None
+        r.batches = [to_device(b, 'cpu') for b in r.batches]; r.buffers = []; r.stateful = True
+        big,named_b,fb = r.grads(False); big = big.to(acc.device); ref = 'cpu'
+    err = _rel(acc, big)
+    worst = sorted(((n, _rel(a.reshape(-1), b.to(a.device).reshape(-1))) for (n,a),(_,b) in zip(named_a, named_b)),
+                   key=lambda t: -t[1] if math.isfinite(t[1]) else -math.inf)[:3]
+    rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(r.dtype).replace('torch.', ''),
+                             n_step=n_step, micro_sizes=sizes, worst=[w for w in worst if w[1] > tol], reference=ref)
+    if rep.exact: return rep
+    causes,errors = [],{}
+    if not (fa and fb):
+        causes.append('nonfinite'); errors['nonfinite'] = math.inf
+    else:
+        has_bn = any(isinstance(m, _BatchNorm) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
+        quiet = r.outputs(bn=False, drop=False, keep=True)
+        if quiet > tol: causes.append('not_per_sample'); errors['not_per_sample'] = quiet
+        if has_bn:
+            e = r.outputs(bn=True, drop=False)
+            if e > max(tol, 10*quiet): causes.append('batchnorm'); errors['batchnorm'] = e
+        e = r.outputs(bn=False, drop=True)
+        if e > max(tol, 10*quiet): causes.append('dropout'); errors['dropout'] = e
+        mean_err,sum_err = r.loss_split()
+        if mean_err > tol:
+            c = 'loss_not_mean' if sum_err <= tol else 'n_items'
+            causes.append(c); errors[c] = mean_err
+        if not causes: causes.append('unexplained'); errors['unexplained'] = err
+    rep.causes = tuple(c for c in CHECK_CAUSES if c in causes)
+    rep.errors = {c: errors[c] for c in rep.causes}
+    rep.advice = {c: CAUSE_ADVICE[c] for c in rep.causes}
+    return rep
+
+@patch
+def check_accumulation(self:Learner,
+    n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4)
+)->AccumulationReport:
+    """Is the gradient this Learner accumulates over `n_step` micro-batches of its training loader the gradient of one
+    batch of exactly those samples? If not, why (`AccumulationReport.causes`)? Works on a copy: changes nothing"""
+    return _run_check(self, n_step)
+
+def check_accumulation(
+    learn:Learner, # the Learner to check, with its GradientAccumulation / BatchNormAccumulation / MixedPrecision
+    n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4)
+)->AccumulationReport:
+    "`learn.check_accumulation(n_step)` as a function"
+    return _run_check(learn, n_step)

@@ -1,0 +1,44 @@
+"""What a loss averages over. torch's and fastai's class-weighted and `ignore_index` losses are means over the targets'
+weight sum or the non-ignored count, not over the batch: `loss_items` gives that count, so that `GradientAccumulation`
+weighs each micro-batch by it when the user gives no `n_items`; `loss_reduction` tells a loss that sums (accumulated as
+the sum it is). An unknown loss gives None: the batch size rule stands, and `check_accumulation` tells when it is off."""
+from __future__ import annotations
+import torch, torch.nn as nn
+
+__all__ = ['loss_reduction', 'loss_items', 'SUM_LOSSES']
+
+def _inner(lf):
+    "The torch loss module behind fastai's `BaseLoss` wrappers (`CrossEntropyLossFlat`, ...), or `lf` itself"
+    f = getattr(lf, 'func', None)
+    return f if isinstance(f, nn.Module) and type(lf).__module__.startswith('fastai.') else lf
+
+# torch and fastai losses whose `reduction='sum'` is a plain sum over items (so accumulating micro-batch sums is exact)
+_CE = (nn.CrossEntropyLoss, nn.NLLLoss)
+SUM_LOSSES = _CE + (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
+                    nn.SoftMarginLoss, nn.MultiLabelSoftMarginLoss, nn.PoissonNLLLoss, nn.GaussianNLLLoss)
+
+def _fastai_sum_losses():
+    try: from fastai.losses import FocalLoss, LabelSmoothingCrossEntropy
+    except ImportError: return ()
+    return (FocalLoss, LabelSmoothingCrossEntropy)
+
+def loss_reduction(loss_func)->str|None:
+    "'sum' for a loss class known to sum over its items with `reduction='sum'`, 'mean' for one known to average, else None"
+    f = _inner(loss_func)
+    if not isinstance(f, SUM_LOSSES + _fastai_sum_losses()): return None
+    r = getattr(f, 'reduction', None)
+    return r if r in ('sum', 'mean') else None
+
+def loss_items(loss_func, yb)->torch.Tensor|None:
+    """How many items a micro-batch's mean loss averages over, for the losses whose mean is not over the batch: torch's
+    `CrossEntropyLoss`/`NLLLoss` (and fastai's `CrossEntropyLossFlat`) with class indices as targets, a `weight` or
+    targets equal to `ignore_index` (the count of non-ignored targets, weighted). A 0-d tensor on the targets' device
+    (no host synchronisation); None where the batch size is the right count (or the loss is unknown)."""
+    f = _inner(loss_func)
+    if not isinstance(f, _CE) or getattr(f, 'reduction', 'mean') != 'mean' or len(yb) != 1: return None
+    t = yb[0]
+    if not isinstance(t, torch.Tensor) or t.is_floating_point(): return None   # probability targets: a mean over items
+    keep = t != f.ignore_index
+    w = getattr(f, 'weight', None)
+    if w is None: return keep.sum().float()
+    return (w.to(t.device)[torch.where(keep, t, 0).long()] * keep).sum().float()

@@ -1,0 +1,172 @@
+"""Issue 21: losses whose mean is not over the batch, accumulated exactly by default; and `learn.check_accumulation()`,
+which says whether accumulation is exact on the user's own Learner and, if not, why (each cause found by an experiment)."""
+import copy, random, warnings
+import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from fastai.losses import CrossEntropyLossFlat, FocalLossFlat, LabelSmoothingCrossEntropyFlat, MSELossFlat
+
+from accum_callback import GradientAccumulation, BatchNormAccumulation
+from helpers import WindowSpy, fit_quiet, make_data, make_learner, rel_err
+
+F64 = torch.float64
+W = torch.tensor([1., 5., 10.], dtype=F64)
+W32 = W.float()   # fastai's flattened losses run in float32
+
+def cls_data(n=30, ignore=None, seed=0):
+    ds = make_data(n, n_out=3, seed=seed, classify=True)
+    x,y = ds.tensors
+    if ignore is not None: y = torch.where(torch.rand(n, generator=torch.Generator().manual_seed(seed+7)) < 0.3, ignore, y)
+    return TensorDataset(x, y)
+
+LOSSES = {
+    'ce_weight':        (lambda: nn.CrossEntropyLoss(weight=W), None),
+    'ce_ignore':        (lambda: nn.CrossEntropyLoss(ignore_index=-100), -100),
+    'ce_weight_ignore': (lambda: nn.CrossEntropyLoss(weight=W, ignore_index=2, label_smoothing=0.1), 2),
+    'nll_weight':       (lambda: (lambda out, y, f=nn.NLLLoss(weight=W): f(F.log_softmax(out, 1), y)), None),
+    'flat_weight':      (lambda: CrossEntropyLossFlat(weight=W32), None),
+    'flat_ignore':      (lambda: CrossEntropyLossFlat(ignore_index=1), 1),
+    'focal_weight':     (lambda: FocalLossFlat(weight=W32), None),   # fastai divides by the count: the batch-size rule holds
+    'ce_sum':           (lambda: nn.CrossEntropyLoss(reduction='sum'), None),
+    'flat_sum_weight':  (lambda: CrossEntropyLossFlat(weight=W32, reduction='sum'), None),
+    'smooth_sum':       (lambda: LabelSmoothingCrossEntropyFlat(reduction='sum'), None),
+}
+
+@pytest.mark.parametrize('name', LOSSES)
+def test_weighted_ignored_and_summed_losses_are_exact_by_default(name):
+    """No `n_items` given: every step's gradient equals the big batch's, windows of 8+8+8+6 items with class weights /
+    ignored targets / sums: <= 1e-6 in float64 for torch's losses; fastai's flattened losses compute in float32 whatever
+    the input (fastai's `tensor()` casts float64 down), so <= 1e-5 there. Before: CrossEntropyLossFlat(weight) was ~30%
+    off the big batch's gradient, a sum loss 0.25x it"""
+    make,ignore = LOSSES[name]
+    fastai_loss = 'flat' in name or 'focal' in name or 'smooth' in name
+    spy = WindowSpy()
+    learn = make_learner(cls_data(30, ignore), 4, cbs=[GradientAccumulation(n_step=4), spy], loss_func=make(),
+                         dtype=None if fastai_loss else F64)
+    fit_quiet(learn, 1)
+    assert len(spy.errs) == 2
+    if name == 'nll_weight': assert max(spy.errs) > 1e-3   # an unknown loss (a function around NLLLoss) keeps the batch-size rule
+    else: assert max(spy.errs) <= (1e-5 if fastai_loss else 1e-6), spy.errs
+
+# == learn.check_accumulation() ===========================================================================================
+from fastai.callback.core import Callback
+from fastai.learner import Learner
+from accum_callback import check_accumulation, CHECK_CAUSES, AccumulationReport
+from helpers import MLP
+
+class Net(nn.Module):
+    """Optional BatchNorm; optional dropout applied in a time-major layout (as `nn.LSTM` without batch_first): its mask
+    for a micro-batch is not the big batch's rows (on a CPU, dropout on a batch-first tensor draws the same mask for the
+    pieces as for the whole, and is exact)"""
+    def __init__(self, bn=False, p=0.):
+        super().__init__(); torch.manual_seed(0)
+        self.l1,self.bn,self.drop,self.l2 = nn.Linear(5, 16),nn.BatchNorm1d(16) if bn else nn.Identity(),nn.Dropout(p),nn.Linear(16, 3)
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.l1(x)))
+        return self.l2(self.drop(h.t().contiguous()).t())
+
+class Stateful(nn.Module):
+    "Carries what it saw in the last batch into the next (and has no way to split it)"
+    def __init__(self): super().__init__(); torch.manual_seed(0); self.lin,self.h = nn.Linear(5, 3),None
+    def forward(self, x):
+        out = self.lin(x) + (0. if self.h is None else self.h.mean(0))
+        self.h = out.detach(); return out
+
+def learner(model=None, loss=None, ga=None, bn=None, n=64, bs=4, dtype=None):
+    cbs = [GradientAccumulation(**(ga or dict(n_step=4)))] + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
+    return make_learner(cls_data(n, ignore=-100 if loss == 'ignore' else None), bs, cbs=cbs, model=model or MLP(n_out=3),
+                        loss_func=LOSS_FUNCS[loss or 'mean'], dtype=dtype)
+
+def n_counted(learn): return (learn.yb[0] != -100).sum()
+LOSS_FUNCS = dict(mean=nn.CrossEntropyLoss(), sum=lambda o,y: F.cross_entropy(o, y, reduction='sum'),
+                  ignore=lambda o,y: F.cross_entropy(o, y, ignore_index=-100))   # functions: unknown to `loss_items`
+
+@pytest.mark.parametrize('case,cause', [
+    (dict(), None),                                                        # plain: exact, no cause
+    (dict(loss='sum'), 'loss_not_mean'),                                   # a sum the rule weighs as a mean
+    (dict(loss='ignore'), 'n_items'),                                      # ignore_index, no n_items
+    (dict(loss='ignore', ga=dict(n_step=4, n_items=n_counted)), None),     # ... with n_items: exact
+    (dict(model=Net(bn=True)), 'batchnorm'),                               # BatchNorm in training
+    (dict(model=Net(bn=True), bn='pool'), 'batchnorm'),                    # 'pool' trains on micro-batch statistics
+    (dict(model=Net(bn=True), bn='freeze'), None),                         # frozen: exact
+    (dict(model=Net(bn=True), bn='groupnorm'), None),                      # converted (on the check's copy): exact
+    (dict(model=Net(p=0.5)), 'dropout'),
+    (dict(model=Stateful()), 'not_per_sample'),
+])
+def test_verdict_and_cause(case, cause):
+    learn = learner(**case)
+    r = learn.check_accumulation()
+    assert isinstance(r, AccumulationReport) and r.n_step == 4 and r.micro_sizes == [4]*4
+    if cause is None: assert r.exact and r.rel_error <= 1e-5 and r.causes == (), r
+    else:
+        assert not r.exact and r.rel_error > r.tol and r.causes == (cause,), r
+        assert cause in CHECK_CAUSES and r.advice[cause] and r.errors[cause] > r.tol
+        assert cause in str(r) and 'NOT exact' in str(r) and '| verdict |' in r._repr_markdown_()
+
+def test_two_causes_at_once():
+    r = learner(model=Net(bn=True, p=0.5), loss='sum').check_accumulation()
+    assert r.causes == ('loss_not_mean', 'batchnorm', 'dropout'), r
+
+def test_float64_plain_is_exact_to_its_own_tolerance():
+    r = learner(dtype=F64).check_accumulation(n_step=3)
+    assert r.exact and r.tol == 1e-10 and r.rel_error <= 1e-12 and r.dtype == 'float64'
+
+def test_micro_bs_pieces_are_the_micro_batches():
+    "With micro_bs on the Learner the micro-batches are its pieces (loader batches of 8 cut 3, 3, 2)"
+    r = learner(ga=dict(micro_bs=3), bs=8).check_accumulation(n_step=5)
+    assert r.micro_sizes == [3, 3, 2, 3, 3] and r.exact
+
+def state(learn):
+    "Everything the check must leave as it was"
+    m = learn.model
+    return dict(params=[p.detach().clone() for p in m.parameters()], bufs=[b.clone() for b in m.buffers()],
+                grads=[None if p.grad is None else p.grad.clone() for p in m.parameters()],
+                modes=[x.training for x in m.modules()], torch=torch.get_rng_state(), py=random.getstate(),
+                np=np.random.get_state()[1].copy(), cbs=list(learn.cbs), n_cbs=len(learn.cbs),
+                opt=copy.deepcopy(learn.opt.state_dict()) if learn.opt is not None else None, h=getattr(m, 'h', None))
+
+def same(a, b):
+    assert all(torch.equal(x, y) for x,y in zip(a['params'], b['params'])) and all(torch.equal(x, y) for x,y in zip(a['bufs'], b['bufs']))
+    assert all((x is None and y is None) or torch.equal(x, y) for x,y in zip(a['grads'], b['grads']))
+    assert a['modes'] == b['modes'] and torch.equal(a['torch'], b['torch']) and a['py'] == b['py'] and (a['np'] == b['np']).all()
+    assert a['cbs'] == b['cbs'] and a['n_cbs'] == b['n_cbs']
+    assert (a['opt'] is None) == (b['opt'] is None) and str(a['opt']) == str(b['opt'])
+    assert (a['h'] is None and b['h'] is None) or torch.equal(a['h'], b['h'])
+
+@pytest.mark.parametrize('kw', [dict(model=Net(bn=True, p=0.5), bn='pool'), dict(model=Net(bn=True), bn='renorm'),
+                                dict(model=Stateful())])
+def test_the_check_changes_nothing(kw):
+    "Weights, BatchNorm buffers, gradients, optimizer state, RNG states, train/eval mode, callbacks: as before (torch.equal)"
+    learn = learner(**kw)
+    fit_quiet(learn, 1)   # a trained Learner with an optimizer state, in eval mode after validation
+    learn.model.train()   # and in training mode, with a gradient lying around
+    learn.loss_func(learn.model(torch.randn(4, 5)), torch.tensor([0, 1, 2, 0])).backward()
+    before = state(learn)
+    learn.check_accumulation(); check_accumulation(learn, 2)
+    same(before, state(learn))
+
+def test_conversion_happens_on_the_copy():
+    "'groupnorm'/'renorm' are checked as training will convert the model, on a copy: the Learner's model keeps its BatchNorm"
+    for mode in ('groupnorm', 'renorm'):
+        learn = learner(model=Net(bn=True), bn=mode)
+        r = learn.check_accumulation()
+        assert isinstance(learn.model.bn, nn.BatchNorm1d) and (r.exact if mode == 'groupnorm' else r.causes == ('batchnorm',))
+
+@pytest.mark.parametrize('n_step,match', [(0, '>= 1'), (-2, '>= 1'), (2.5, 'whole number'), (True, 'whole number'),
+                                          ('4', 'whole number'), (100, 'gives only 16')])
+def test_bad_n_step_names_the_argument(n_step, match):
+    learn = learner()
+    with pytest.raises(ValueError, match=f'`n_step`.*{match}'): learn.check_accumulation(n_step)
+
+def test_default_n_step_is_the_window():
+    assert learner(ga=dict(n_step=3)).check_accumulation().n_step == 3
+    learn = make_learner(cls_data(32), 4, loss_func=nn.CrossEntropyLoss())   # no GradientAccumulation: 4
+    assert learn.check_accumulation().n_step == 4
+
+def test_mixed_precision_is_checked_in_its_dtype():
+    "fastai's MixedPrecision(bf16) on the Learner: the check runs under autocast and judges with bf16's tolerance"
+    from fastai.callback.fp16 import MixedPrecision
+    learn = learner(); learn.add_cb(MixedPrecision(amp_mode='bf16'))
+    r = learn.check_accumulation()
+    assert r.dtype == 'bfloat16' and r.tol == 4e-2 and r.exact and r.rel_error > 1e-5   # really computed in bf16
+    learn = learner(model=Net(bn=True)); learn.add_cb(MixedPrecision(amp_mode='bf16'))
+    assert learn.check_accumulation().causes == ('batchnorm',)
