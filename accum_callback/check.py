@@ -148,17 +148,19 @@ class _Runner:
         else: n = loss_items(learn.loss_func, yb)
         return find_bs(yb if len(yb) else xb) if n is None else n
 
-    def grads(self, accumulate:bool, bn=True, drop=True)->tuple[torch.Tensor,list,bool]:
-        "(flat gradient, [(name, grad)], all finite) as the Learner's step would see it, or of the one big batch"
+    def grads(self, accumulate:bool, bn=True, drop=True)->tuple[torch.Tensor,bool]:
+        "(flat gradient, all finite) as the Learner's step would see it, or of the one big batch (names in `self.names`)"
         m = self.fresh(); self.modes(m, bn, drop)
         for p in m.parameters(): p.grad = None
         lf,finite = self.learn.loss_func,True
         summed = loss_reduction(lf) == 'sum'
         if accumulate:
             items,ref = 0.,None
+            self.trained_parts = []
             for xb,yb in self.batches:
                 with self._ctx(m):
                     pred = m(*xb); loss = lf(pred, *yb)
+                self.trained_parts.append(_flat_out(pred))
                 n = self._count(xb, yb, pred, loss)
                 n = n.detach().double() if isinstance(n, torch.Tensor) else float(n)
                 if ref is None: ref = max(float(n), 1.)
@@ -169,26 +171,32 @@ class _Runner:
         else:
             xb,yb = [_cat(list(z)) for z in zip(*[b[0] for b in self.batches])],[_cat(list(z)) for z in zip(*[b[1] for b in self.batches])]
             with self._ctx(m):
-                loss = lf(m(*xb), *yb)
+                pred = m(*xb); loss = lf(pred, *yb)
+            self.trained_whole = _flat_out(pred)
             finite = bool(torch.isfinite(loss).all())
             loss.backward(); scale = 1.
-        named = [(n, (p.grad.detach().double()*scale) if p.grad is not None else torch.zeros_like(p, dtype=torch.float64))
-                 for n,p in m.named_parameters() if p.requires_grad]
-        flat = torch.cat([g.reshape(-1) for _,g in named]) if named else torch.zeros(0, dtype=torch.float64)
-        return flat,named,finite and bool(torch.isfinite(flat).all())
+        ps = [(n, p) for n,p in m.named_parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for _,p in ps]) if ps else torch.zeros(0)
+        if scale != 1.: flat.mul_(scale)
+        self.names,self.sizes = [n for n,_ in ps],[p.numel() for _,p in ps]
+        return flat,finite and math.isfinite(float(flat.norm()))   # an inf or NaN anywhere makes the norm so
 
     @torch.no_grad()
     def outputs(self, bn:bool, drop:bool, keep:bool=False)->float:
         """Relative difference of the outputs of the first two micro-batches, run one after the other, from the output
         of one batch of both (two are enough to see a layer mix samples, and cost less than a window)"""
-        bs = self.batches[:2]
+        whole = self.whole(bn, drop)
         m = self.fresh(); self.modes(m, bn, drop)
-        with self._ctx(m): preds = [m(*xb) for xb,_ in bs]
+        with self._ctx(m): preds = [m(*xb) for xb,_ in self.batches[:2]]
+        if keep: self.quiet_preds,self.quiet_whole = preds,whole
+        return _rel(_flat_out(_cat(preds)), whole)
+
+    @torch.no_grad()
+    def whole(self, bn:bool, drop:bool)->torch.Tensor:
+        "The output of one batch of the first two micro-batches, flattened"
         m = self.fresh(); self.modes(m, bn, drop)
-        xb = [_cat(list(z)) for z in zip(*[b[0] for b in bs])]
-        with self._ctx(m): whole = m(*xb)
-        if keep: self.quiet_preds = preds
-        return _rel(_flat_out(_cat(preds)), _flat_out(whole))
+        xb = [_cat(list(z)) for z in zip(*[b[0] for b in self.batches[:2]])]
+        with self._ctx(m): return _flat_out(m(*xb))
 
     @torch.no_grad()
     def loss_split(self)->tuple[float,float]:
@@ -211,9 +219,19 @@ def _flat_out(o):
     if isinstance(o, dict): return _flat_out(list(o.values()))
     return torch.zeros(0, dtype=torch.float64)
 
+def _worst(names, sizes, a, b, tol, k=3)->list:
+    "The `k` parameter tensors whose gradients are furthest off (relative), above `tol`"
+    if not names: return []
+    d = torch.stack([x.norm() for x in (a-b).split(sizes)])
+    n = torch.stack([x.norm() for x in b.split(sizes)]).clamp_min(1e-30)
+    e = (d/n).tolist()
+    return [(names[i], e[i]) for i in sorted(range(len(e)), key=lambda i: -e[i] if math.isfinite(e[i]) else -math.inf)[:k] if e[i] > tol]
+
 def _rel(a, b)->float:
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()): return math.inf
-    return float((a-b).norm()/b.norm().clamp_min(1e-30)) if b.numel() else 0.
+    "Relative L2 error of `a` against `b` (inf where either is not finite)"
+    if not b.numel(): return 0.
+    d,n = float((a-b).norm()),float(b.norm())
+    return d/max(n, 1e-30) if math.isfinite(d) and math.isfinite(n) else math.inf
 
 # -- the check ------------------------------------------------------------------------------------------------------------------
 def _whole_n_step(n_step):
@@ -256,18 +274,16 @@ def _check(learn, batches, model, ga, bna, n_step)->AccumulationReport:
     r = _Runner(learn, batches, model, ga, bna)
     tol = _TOL.get(r.dtype, 1e-5)
     sizes = [find_bs(b) for b in batches]
-    acc,named_a,fa = r.grads(True)
+    acc,fa = r.grads(True)
     ref = 'device'
-    try: big,named_b,fb = r.grads(False)
+    try: big,fb = r.grads(False)
     except torch.OutOfMemoryError:   # the big batch does not fit where the micro-batches do: compute it on the CPU
         r.model0,r.model = copy.deepcopy(r.model0).cpu(),None
         r.batches = [to_device(b, 'cpu') for b in r.batches]; r.buffers = []; r.stateful = True
-        big,named_b,fb = r.grads(False); big = big.to(acc.device); ref = 'cpu'
+        big,fb = r.grads(False); big = big.to(acc.device); ref = 'cpu'
     err = _rel(acc, big)
-    worst = sorted(((n, _rel(a.reshape(-1), b.to(a.device).reshape(-1))) for (n,a),(_,b) in zip(named_a, named_b)),
-                   key=lambda t: -t[1] if math.isfinite(t[1]) else -math.inf)[:3]
     rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(r.dtype).replace('torch.', ''),
-                             n_step=n_step, micro_sizes=sizes, worst=[w for w in worst if w[1] > tol], reference=ref)
+                             n_step=n_step, micro_sizes=sizes, worst=_worst(r.names, r.sizes, acc, big, tol), reference=ref)
     if rep.exact: return rep
     causes,errors = [],{}
     if not (fa and fb):
@@ -276,11 +292,14 @@ def _check(learn, batches, model, ga, bna, n_step)->AccumulationReport:
         has_bn = any(isinstance(m, _BatchNorm) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
         quiet = r.outputs(bn=False, drop=False, keep=True)
         if quiet > tol: causes.append('not_per_sample'); errors['not_per_sample'] = quiet
-        if has_bn:
-            e = r.outputs(bn=True, drop=False)
+        # dropout & co: only where training mode (BatchNorm aside) changes the output at all, then parts against whole
+        random_layers = _rel(r.whole(bn=False, drop=True), r.quiet_whole) > 0
+        if has_bn:   # without such layers, the trained run's own outputs are the experiment's (BatchNorm on, the rest off)
+            e = r.outputs(bn=True, drop=False) if random_layers else _rel(torch.cat(r.trained_parts), r.trained_whole)
             if e > max(tol, 10*quiet): causes.append('batchnorm'); errors['batchnorm'] = e
-        e = r.outputs(bn=False, drop=True)
-        if e > max(tol, 10*quiet): causes.append('dropout'); errors['dropout'] = e
+        if random_layers:
+            e = r.outputs(bn=False, drop=True)
+            if e > max(tol, 10*quiet): causes.append('dropout'); errors['dropout'] = e
         mean_err,sum_err = r.loss_split()
         if mean_err > tol:
             c = 'loss_not_mean' if sum_err <= tol else 'n_items'

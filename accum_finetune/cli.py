@@ -57,6 +57,9 @@ def make_parser()->argparse.ArgumentParser:
     a('--out', type=Path, default=Path('runs/finetune'), metavar='DIR', help='where metrics.json, training.png and '
       'model.pkl go (default: runs/finetune)')
     a('--overwrite', action='store_true', help='replace the results of an earlier run in --out (otherwise refused)')
+    a('--check', action='store_true', help="before training, print `learn.check_accumulation()`: is the accumulated "
+      "gradient the big batch's on this model and data, and if not, why")
+    a('--check-only', action='store_true', help='print the check and exit without training (nothing written)')
     return p
 
 def check_args(args)->argparse.Namespace:
@@ -80,7 +83,7 @@ def check_args(args)->argparse.Namespace:
         args.n_step = args.effective_bs//args.micro_bs
     if args.out.exists() and not args.out.is_dir(): raise UsageError(f"--out {args.out}: exists and is not a folder")
     held = [f for f in RESULTS if (args.out/f).exists()]
-    if held and not args.overwrite:
+    if held and not (args.overwrite or args.check_only):   # --check-only writes nothing
         raise UsageError(f"--out {args.out}: holds the results of an earlier run ({', '.join(held)}); pass --overwrite to "
                          "replace them, or choose another --out")
     if args.weights and args.weights.lower() == 'none': args.weights = 'none'
@@ -139,6 +142,9 @@ def _run(args)->int:
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
                               lr=args.lr, seed=args.seed, micro_bs='auto' if auto else None)
+        if args.check or args.check_only:
+            print(learn.check_accumulation(), flush=True)
+            if args.check_only: return 0
         m = finetune(learn, args.epochs, args.lr)
         m['data'] = dls.source
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')

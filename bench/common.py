@@ -98,6 +98,17 @@ def summary(xs):
     m = statistics.median(xs)
     return m, 1.4826*statistics.median(abs(x-m) for x in xs) if len(xs) > 1 else 0.
 
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13, 20: 2.09, 30: 2.04}
+
+def mean_ci(xs)->tuple[float,float,float]:
+    "Mean and its 95% interval (Student's t; the interval is the mean's when len(xs) < 2)"
+    m = statistics.fmean(xs)
+    if len(xs) < 2: return m,m,m
+    df = len(xs)-1
+    t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
+    h = t*statistics.stdev(xs)/len(xs)**0.5
+    return m,m-h,m+h
+
 def verdict(r, noise, goal, le=True)->str:
     if r is None: return '—'
     if (r <= goal) if le else (r >= goal): return 'yes'

@@ -282,3 +282,13 @@ def test_same_seed_same_run(cache):
         runs.append((m['valid_loss'], m['accuracy']))
     assert runs[0] == runs[1]
     assert torch.get_num_threads() == threads   # as a library, the job sets no global state
+
+def test_check_only_prints_the_table_and_writes_nothing(cache, tmp_path):
+    "`--check-only`: the check's table on the job's model and data, exit 0, no training, nothing in --out"
+    out = tmp_path/'out'
+    res = run_cli('--check-only', '--bn', 'freeze', '--out', out)
+    assert res.returncode == 0, res.stderr
+    assert 'check_accumulation' in res.stdout and 'verdict' in res.stdout and 'exact' in res.stdout
+    assert 'summary' not in res.stdout and not out.exists()
+    res = run_cli('--check-only', '--bn', 'pool', '--out', out)
+    assert res.returncode == 0 and 'NOT exact' in res.stdout and 'cause: batchnorm' in res.stdout, res.stdout
