@@ -8,7 +8,7 @@ import importlib as _importlib, sys as _sys
 _API = dict(
     GradientAccumulation='accumulate', Window='accumulate', PARTIAL_MODES='accumulate', is_out_of_memory='micro',
     stateful_modules='micro', check_accumulation='check', AccumulationReport='check', CHECK_CAUSES='check',
-    loss_items='losses', loss_reduction='losses',
+    loss_items='losses', loss_reduction='losses', default_blocks='fsdp', fsdp_full_state_dict='fsdp',
     WindowSchedule='schedule', as_window_schedule='schedule', batch_growth_from_lr='schedule',
     BatchNormAccumulation='batchnorm', MODES='batchnorm', accumulated_momentum='batchnorm', pooled_mean_var='batchnorm',
     PooledStats='batchnorm', BN_MODES='modes',

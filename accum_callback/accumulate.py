@@ -11,7 +11,8 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
-from .distributed import is_ddp as _is_ddp, all_reduce_grads, enter_no_sync, exit_no_sync, sum_over_ranks, world_size
+from .distributed import (all_reduce_grads, check_fsdp, discard_unsharded_grads, enter_no_sync, exit_no_sync, is_distributed,
+                          is_fsdp, set_resharding, sum_over_ranks, world_size)
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
 from .losses import loss_items, loss_reduction
 from .micro import MicroBatcher, MicroBatches, is_out_of_memory
@@ -75,6 +76,8 @@ class GradientAccumulation(Callback):
         skip_nonfinite:bool=True, # drop a window in which any micro-batch gave a non-finite loss
         micro_bs:int|str|None=None, # cut every loader batch into micro-batches of this many items; 'auto': the fastest that fits
         probe:bool=True, # micro_bs='auto' on a GPU: once settled, time the next smaller size too and keep the faster
+        sharded_grads:bool=False, # FSDP2: reduce-scatter every micro-batch so gradients stay sharded (1/world the memory, k rounds a window)
+        gathered_params:bool=False, # FSDP2: keep parameters gathered through a window (one all-gather a window, not 1-2 a micro-batch)
     ):
         if micro_bs is not None and not (micro_bs == 'auto' or (isinstance(micro_bs, Integral) and not isinstance(micro_bs, bool) and micro_bs >= 1)):
             raise ValueError(f"`micro_bs` must be a whole number >= 1, 'auto' or None, got {micro_bs!r}")
@@ -83,6 +86,8 @@ class GradientAccumulation(Callback):
                              f"(items per optimizer step), or `micro_bs` alone (one step per loader batch); got "
                              f"n_step={n_step!r}, target_bs={target_bs!r}")
         if not isinstance(probe, bool): raise TypeError(f"`probe` must be True or False, got {probe!r}")
+        if not isinstance(sharded_grads, bool): raise TypeError(f"`sharded_grads` must be True or False, got {sharded_grads!r}")
+        if not isinstance(gathered_params, bool): raise TypeError(f"`gathered_params` must be True or False, got {gathered_params!r}")
         if micro_bs is not None and n_step is None and target_bs is None: n_step = 1   # the window is the loader batch
         if not isinstance(partial, str) or partial not in PARTIAL_MODES:
             raise ValueError(f"`partial` must be one of {PARTIAL_MODES}, got {partial!r}")
@@ -91,6 +96,7 @@ class GradientAccumulation(Callback):
         if not isinstance(skip_nonfinite, bool): raise TypeError(f"`skip_nonfinite` must be True or False, got {skip_nonfinite!r}")
         self.n_step_sched,self.target_bs_sched = as_window_schedule(n_step, 'n_step'),as_window_schedule(target_bs, 'target_bs')
         self.partial,self.n_items,self.skip_nonfinite,self.probe = partial,n_items,skip_nonfinite,probe
+        self.sharded_grads,self.gathered_params = sharded_grads,gathered_params
         # micro_bs: the loader's batches cut into micro-batches (`accum_callback.micro`); its size in `micro_bs`
         self.micro = (MicroBatcher(micro_bs, probe, self._window_state, self._restore_window, clock=lambda: self._clock(),
                                    on_gpu=lambda: self._probe_here()) if micro_bs is not None else None)
@@ -157,6 +163,7 @@ class GradientAccumulation(Callback):
                                  "and fastai's `fastai.callback.training.GradientAccumulation`; they would both rescale "
                                  "and skip steps. Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` "
                                  "(or use `learn.accumulate(...)`, which replaces it)")
+        check_fsdp(self.learn.model)
         if _records_cuda_graphs(self.learn.model):
             raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): their "
                              "reused output buffers corrupt gradients accumulated over several backward passes (PyTorch "
@@ -188,10 +195,12 @@ class GradientAccumulation(Callback):
                           "non-finite loss", stacklevel=2)
 
     def before_train(self):
+        check_fsdp(self.learn.model)   # a model another callback sharded in its `before_fit` (Accelerate's FSDP plugin)
         if self.micro is not None: self.micro.start_train()
 
     def after_train(self):
         if self.micro is not None: self.micro.end_train()
+        if self.gathered_params and is_fsdp(self.learn.model): set_resharding(self.learn.model, True, True, now=True)
         self._end_micro()   # a callback before us may have cancelled the epoch in `after_batch`
         # Only an epoch cut short leaves a window open here (unless carrying it on): never let it leak
         if self.window.n_micro and not (self.partial == 'carry' and self.epoch < self.n_epoch-1): self._discard_window(drop=True)
@@ -209,7 +218,7 @@ class GradientAccumulation(Callback):
         if self._new_fit: self._reset_logs(); self._new_fit = False
         self._end_micro()   # the last micro-batch's `after_batch` did not reach us (cancelled by a callback before us)
         bs = find_bs(learn.yb if len(learn.yb) else learn.xb)
-        ddp = self._ddp()
+        ddp = self._dist()
         if sp is None:   # a micro-batch is a loader batch: decide at each
             if not w.n_micro: w.target = self.sched(learn.pct_train, learn.epoch)
             action = self._decide(bs, w.n_micro, w.n_samples, learn.iter == learn.n_iter-1, ddp)
@@ -223,7 +232,10 @@ class GradientAccumulation(Callback):
         # DDP: only the micro-batch that steps all-reduces; the others accumulate locally. With micro_bs='auto' none
         # does: a rank may retry a micro-batch, so the gradients are all-reduced in `before_step`, after the ranks agree
         manual = self._ranks_retry()
-        if action != 'step' or manual: w.no_sync = enter_no_sync(learn.model)
+        fsdp = is_fsdp(learn.model)
+        if (action != 'step' or manual) and not (self.sharded_grads and fsdp): w.no_sync = enter_no_sync(learn.model)
+        # FSDP2 `gathered_params`: parameters stay gathered from the window's first forward to its last backward
+        if fsdp and self.gathered_params: set_resharding(learn.model, forward=False, backward=action is not None)
         if manual and not self._checked_sync_bn:
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in learn.model.modules()):
                 raise ValueError("GradientAccumulation(micro_bs='auto') under DDP cannot retry a micro-batch through "
@@ -260,7 +272,7 @@ class GradientAccumulation(Callback):
             w.hypers = [dict(h) for h in learn.opt.hypers]
             # Loss scale reference: the backward loss keeps the size of one mean-reduced loss. Under DDP every rank
             # needs the same constant, so it is the loader's batch size there.
-            w.ref = float(learn.dls.train.bs) if self._ddp() else (n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1))
+            w.ref = float(learn.dls.train.bs) if self._dist() else (n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1))
             # a known loss class with reduction='sum': the big batch's loss is the sum of the micro-batches' sums
             w.summed = loss_reduction(learn.loss_func) == 'sum'
         w.n = n
@@ -371,6 +383,9 @@ class GradientAccumulation(Callback):
         if w.no_sync is not None: ctx,w.no_sync = w.no_sync,None; exit_no_sync(ctx)
 
     def _zero_grads(self):
+        if is_fsdp(self.learn.model):   # held by FSDP2 where zero_grad does not reach
+            discard_unsharded_grads(self.learn.model)
+            if self.gathered_params: set_resharding(self.learn.model, True, True, now=True)
         if getattr(self.learn, 'opt', None) is not None: self.learn.opt.zero_grad()
         else:
             for p in self.learn.model.parameters():
@@ -402,7 +417,7 @@ class GradientAccumulation(Callback):
         if torch.cuda.is_available() and next(self.learn.model.parameters()).is_cuda: torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _ddp(self)->bool: return _is_ddp(self.learn.model)
+    def _dist(self)->bool: "DDP or FSDP2: ranks decide alike and sum their window totals"; return is_distributed(self.learn.model)
     def _ranks_retry(self)->bool: "micro_bs='auto' under DDP: the ranks agree on every retry"; return self.micro is not None and self.micro.ranks_agree()
 
     def plot_windows(self, ax=None):
@@ -423,4 +438,4 @@ def accumulate(self:Learner,
     self.remove_cbs([c for c in self.cbs if isinstance(c, (GradientAccumulation, FastaiGradientAccumulation))])
     return self.add_cb(cb)
 
-from . import check as _check   # noqa: E402,F401  `Learner.check_accumulation`, there as soon as the callback is
+from . import check as _check, fsdp as _fsdp   # noqa: E402,F401  `Learner.check_accumulation`, `to_fsdp`, FSDP2 save/load/export

@@ -10,7 +10,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
-from .distributed import sync_batchnorm_world
+from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
@@ -304,6 +304,11 @@ class BatchNormAccumulation(Callback):
                              "`fit(cbs=...)`, or call `learn.accumulate(...)`")
         bns = [m for m in self.model.modules() if is_batchnorm(m)]
         if issubclass(mode, _Convert):
+            if bns and fsdp_modules(self.model):
+                raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}): the model is sharded with FSDP2, whose "
+                                 "parameter groups a conversion would break. Convert before sharding: `learn.to_fsdp()` "
+                                 f"does it when this callback is on the Learner, or call `{'bn_to_groupnorm' if self.mode == 'groupnorm' else 'bn_to_batchrenorm'}"
+                                 "(model)` before `fully_shard`")
             if bns: mode(self).start(bns)
             elif not any(is_converted_norm(m) for m in self.model.modules()): self._warn_none()
             self._tag_norm_params()

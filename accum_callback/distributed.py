@@ -1,32 +1,69 @@
-"""Accumulation under DDP: the no_sync rule (only the micro-batch that steps all-reduces), window totals summed over
-ranks, SyncBatchNorm's global counts; `count_allreduces` to check the rule, and fastai's DDP path on CPU (gloo)"""
-import contextlib
+"""What the ranks agree on, under DDP and FSDP2: the no-sync rule (only the micro-batch that steps all-reduces or
+reduce-scatters), window totals summed over ranks, SyncBatchNorm's global counts, FSDP2's held unsharded gradients;
+`count_allreduces` / `count_collectives` to check the rule, and fastai's DDP path on CPU (gloo)"""
+import contextlib, functools
 
 import torch, torch.nn as nn
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ['is_ddp', 'is_fsdp', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks', 'all_reduce_grads',
-           'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'gloo_distributed_dl']
+__all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
+           'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_unsharded_grad_bytes',
+           'set_resharding', 'fsdp_group_count',
+           'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
+           'gloo_distributed_dl']
 
 def is_ddp(model)->bool: return isinstance(model, DistributedDataParallel)
 
-def is_fsdp(model)->bool:
-    "Is `model` (or the module DDP wraps) sharded with FSDP2's `fully_shard`, by whoever sharded it?"
+@functools.lru_cache(maxsize=None)
+def _fsdp_cls():
     try: from torch.distributed.fsdp import FSDPModule
-    except ImportError: return False
-    return isinstance(unwrap(model), FSDPModule)
+    except ImportError: return None
+    return FSDPModule
+
+def is_fsdp(model)->bool:
+    "Is `model` sharded with FSDP2's `fully_shard` (its root, as FSDP2 asks), by whoever sharded it?"
+    c = _fsdp_cls()
+    return c is not None and isinstance(unwrap(model), c)
+
+def is_distributed(model)->bool: "DDP or FSDP2: gradients are reduced over ranks"; return is_ddp(model) or is_fsdp(model)
+
+def fsdp_modules(model)->list:
+    "The FSDP2-sharded modules of `model` (FSDPModule instances), root first"
+    c = _fsdp_cls()
+    return [] if c is None else [m for m in unwrap(model).modules() if isinstance(m, c)]
+
+def check_fsdp(model):
+    "Refuse sharding setups whose gradients we cannot hold or sum correctly, with the way that works"
+    try: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError: FSDP1 = ()
+    if any(isinstance(m, FSDP1) for m in unwrap(model).modules()):
+        raise ValueError("GradientAccumulation: the model is wrapped in FSDP1 (`FullyShardedDataParallel`, e.g. by "
+                         "Accelerate's FSDP plugin through fastai's `distrib_ctx`), whose accumulation we do not support. "
+                         "Shard it with FSDP2 instead: `learn.to_fsdp()` (or `learn.fsdp_ctx()`), see docs/distributed.md")
+    if not is_fsdp(model) and fsdp_modules(model):
+        raise ValueError("GradientAccumulation: parts of the model are sharded with FSDP2's `fully_shard` but not its root: "
+                         "call `fully_shard(model)` after its blocks (FSDP2's own advice), or use `learn.to_fsdp()`")
 
 def unwrap(model):
     "The module inside DDP / DataParallel (the model itself otherwise)"
     return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
-def world_size(model)->int: "Ranks a DDP `model` averages its gradients over (1 when not DDP)"; return dist.get_world_size() if is_ddp(model) else 1
+def world_size(model)->int:
+    "Ranks a DDP or FSDP2 `model` averages its gradients over (1 otherwise)"
+    return dist.get_world_size() if is_distributed(model) else 1
+
+class _GradSync:
+    "FSDP2's no-sync: gradients held unsharded (no reduce-scatter) until `exit`"
+    def __init__(self, model): self.model = model; model.set_requires_gradient_sync(False)
+    def __exit__(self, *a): self.model.set_requires_gradient_sync(True)
 
 def enter_no_sync(model):
-    """Enter `model.no_sync()` (a micro-batch that does not step accumulates locally, without an all-reduce) and return
-    the open context for `exit_no_sync`; None when `model` is not DDP"""
+    """A micro-batch that does not step accumulates locally, without a collective: enter DDP's `no_sync()`, or turn off
+    FSDP2's gradient sync (the gradients stay unsharded until the window's last backward reduce-scatters them). Returns
+    the open context for `exit_no_sync`; None when `model` is neither"""
+    if is_fsdp(model): return _GradSync(unwrap(model))
     if not is_ddp(model): return None
     ctx = model.no_sync(); ctx.__enter__()
     return ctx
@@ -34,13 +71,55 @@ def enter_no_sync(model):
 def exit_no_sync(ctx):
     if ctx is not None: ctx.__exit__(None, None, None)
 
+def _fsdp_params(model):
+    "FSDP2's per-parameter records (torch internals: `FSDPModule._get_fsdp_state()._fsdp_param_groups`)"
+    for m in fsdp_modules(model):
+        st = m._get_fsdp_state()
+        for g in getattr(st, '_fsdp_param_groups', None) or []:
+            yield from g.fsdp_params
+
+def discard_unsharded_grads(model):
+    """Drop the gradients FSDP2 holds unsharded between backward passes without sync (where the optimizer's
+    `zero_grad` does not reach): a window that ends without its step must not leak into the next"""
+    for fp in _fsdp_params(model):
+        if getattr(fp, 'unsharded_accumulated_grad', None) is not None: fp.unsharded_accumulated_grad = None
+        up = fp.__dict__.get('_unsharded_param')
+        if up is not None and up.grad is not None: up.grad = None
+
+def set_resharding(model, forward:bool, backward:bool, now:bool=False):
+    "FSDP2: whether parameters are freed (resharded) after each forward / backward; `now`: reshard them at once"
+    m = unwrap(model)
+    m.set_reshard_after_forward(forward); m.set_reshard_after_backward(backward)
+    if now:
+        for x in fsdp_modules(m): x.reshard()
+
+def fsdp_group_count(model)->int:
+    "FSDP2 parameter groups of `model`: each reduce-scatters once in a synchronised backward (a round)"
+    return sum(len(getattr(m._get_fsdp_state(), '_fsdp_param_groups', None) or []) for m in fsdp_modules(model))
+
+def held_unsharded_grad_bytes(model)->int:
+    "Bytes of unsharded gradient FSDP2 holds on this rank now (between backward passes without sync)"
+    n = 0
+    for fp in _fsdp_params(model):
+        g = getattr(fp, 'unsharded_accumulated_grad', None)
+        if g is None:
+            up = fp.__dict__.get('_unsharded_param')
+            g = up.grad if up is not None else None
+        if g is not None: n += g.numel()*g.element_size()
+    return n
+
 def sum_over_ranks(values:list, model)->list:
-    """`values` (numbers or 0-d tensors) summed over the ranks of a DDP `model`, as floats: one float64 all-reduce (one
-    host synchronisation). Without DDP, on the CPU (MPS has no float64)."""
-    dev = next(model.parameters()).device if is_ddp(model) else 'cpu'
+    """`values` (numbers or 0-d tensors) summed over the ranks of a DDP or FSDP2 `model`, as floats: one float64
+    all-reduce (one host synchronisation). Otherwise on the CPU (MPS has no float64)."""
+    d = is_distributed(model)
+    dev = _local(next(model.parameters())).device if d else 'cpu'
     vals = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(dev) for v in values])
-    if is_ddp(model): dist.all_reduce(vals)
+    if d: dist.all_reduce(vals)
     return vals.tolist()
+
+def _local(t):
+    "The local shard of a DTensor (the tensor itself otherwise)"
+    return t.to_local() if hasattr(t, 'to_local') else t
 
 def all_reduce_grads(params:list):
     "Sum the gradients of `params` over the ranks, one flat all-reduce per dtype (a parameter without one counts zero)"
@@ -88,6 +167,33 @@ def count_allreduces(
     state = AllReduceCounter(process_group)
     model.register_comm_hook(state, _counting_allreduce)
     return state
+
+class CollectiveCounter:
+    "What `count_collectives` counted: reduce-scatter and all-gather calls (FSDP2), and all-reduces"
+    def __init__(self): self.reduce_scatter,self.all_gather,self.all_reduce = 0,0,0
+    def __repr__(self): return (f"{type(self).__name__}(reduce_scatter={self.reduce_scatter}, all_gather={self.all_gather}, "
+                                f"all_reduce={self.all_reduce})")
+
+# the single-tensor collectives FSDP2 uses (fastai's Recorder gathers losses with `dist.all_gather`: not counted)
+_COUNTED = dict(reduce_scatter=('reduce_scatter_single', 'reduce_scatter_tensor'),
+                all_gather=('all_gather_single', 'all_gather_into_tensor'), all_reduce=('all_reduce',))
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count the collectives `torch.distributed` is asked for while open (FSDP2 in torch 2.14 reduces with
+    `dist.reduce_scatter_single` and gathers with `dist.all_gather_single`, looked up at each call). It wraps the
+    functions, so it changes nothing they do (unlike `CommDebugMode`, whose module hooks break an in-place op on the loss)"""
+    c,saved = CollectiveCounter(),[]
+    for kind,names in _COUNTED.items():
+        for n in names:
+            f = getattr(dist, n, None)
+            if f is None: continue
+            def wrap(*a, _f=f, _k=kind, **kw):
+                setattr(c, _k, getattr(c, _k)+1); return _f(*a, **kw)
+            saved.append((n, f)); setattr(dist, n, wrap)
+    try: yield c
+    finally:
+        for n,f in saved: setattr(dist, n, f)
 
 @contextlib.contextmanager
 def gloo_distributed_dl():

@@ -3,16 +3,17 @@
 Every scenario returns, per rank: the final weights, the optimizer steps, each step's window (the rank's own samples),
 and the gradient all-reduces each micro-batch made (counted by a DDP communication hook)."""
 import contextlib, datetime, os, tempfile, time, traceback, warnings
+from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
-from fastai.callback.core import Callback, CancelBatchException, CancelValidException
+from fastai.callback.core import Callback, CancelBatchException, CancelFitException, CancelValidException
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 
 from accum_callback import GradientAccumulation
-from accum_callback.distributed import count_allreduces
+from accum_callback.distributed import count_allreduces, count_collectives, fsdp_group_count, held_unsharded_grad_bytes
 from helpers import MLP, Float64Smoothing, make_learner
 from conftest import free_port
 
@@ -85,6 +86,7 @@ class DDPSpy(Callback):
     def ga(self):
         ga = getattr(self.learn, 'gradient_accumulation', None)   # fastai's own callback takes the same name
         return ga if isinstance(ga, GradientAccumulation) else None
+    def before_fit(self): self.fit_steps = 0
     def before_batch(self):
         self.n0,self.r0 = self.counter.n_calls,self.counter.n_rounds
         self.action = self.ga.window.action if self.ga is not None else None
@@ -95,7 +97,8 @@ class DDPSpy(Callback):
                                buckets=self.counter.buckets[self.n0:], rounds=self.counter.n_rounds-self.r0))
         if ga is None: return
         if not ga.window.is_open:   # the window closed: stepped (GradientAccumulation logged it) or dropped
-            if len(ga.window_sizes) > len(self.windows):
+            if ga.steps > self.fit_steps:   # (its logs start again with each fit)
+                self.fit_steps = ga.steps
                 self.windows.append((torch.cat([b[0] for b in self.buf]), torch.cat([b[1] for b in self.buf])))
             self.buf = []
 
@@ -115,9 +118,31 @@ class CancelOnRank(Callback):
         self.k += 1
         if self.k == self.at: raise CancelBatchException()
 
+class FSDPCounter:
+    "The DDP counter's interface over `count_collectives`: a round is one reduce-scatter per FSDP2 group"
+    def __init__(self, c, n_groups): self.c,self.n_groups = c,n_groups
+    @property
+    def n_calls(self): return self.c.reduce_scatter
+    @property
+    def n_rounds(self): return self.c.reduce_scatter/self.n_groups
+    @property
+    def buckets(self): return []
+
+def fsdp_shard(model, world_size, reshard_after_forward=True, root=True):
+    "FSDP2 over an explicit CPU mesh: each Linear its own group, then the root (BatchNorm and the rest in the root's)"
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh('cpu', (world_size,))
+    for m in (model.l1, model.l2): fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward) if root else model
+
+def full_params(model): return torch.cat([(p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().reshape(-1) for p in model.parameters()])
+
 def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=None, bucket_cap_mb=1e-4,
-          seed=0, bn=None, shift=0., oom=None, cancel=None, check=False):
-    "Train an MLP (float64) on this rank's shard of `sizes` samples under `ddp`; `ga`: kwargs for `GradientAccumulation`"
+          seed=0, bn=None, shift=0., oom=None, cancel=None, check=False, fsdp=False, cbs_extra=(), nan_at=None,
+          fp32=False, cancel_fit_at=None):
+    """Train an MLP (float64) on this rank's shard of `sizes` samples under `ddp` (or FSDP2 with `fsdp`); `ga`: kwargs
+    for `GradientAccumulation`"""
     ds = shard(sizes, rank, seed=seed, tokens=tokens)
     if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
     ga = dict(ga or {})
@@ -128,21 +153,35 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
         from accum_callback.batchnorm import BatchNormAccumulation
         cbs.append(BatchNormAccumulation(bn))
     n_out = ds.tensors[1].shape[1]//(2 if tokens is not None else 1)
-    model = (MLP if bn is None else BNMLP)(n_in=5, n_out=n_out, seed=seed).double()
+    model = (MLP if bn is None else BNMLP)(n_in=5, n_out=n_out, seed=seed)
+    model = model if fp32 else model.double()
+    if fp32: ds = TensorDataset(*[t.float() for t in ds.tensors]); cbs = [c for c in cbs if not isinstance(c, Float64Run)] + [NoValid()]
+    if nan_at is not None and rank == nan_at[0]: ds.tensors[0][nan_at[1]] = float('nan')   # (rank, sample)
+    cbs += [c() if callable(c) and not isinstance(c, Callback) else c for c in cbs_extra]
+    if cancel_fit_at is not None: cbs.append(CancelFitAt(cancel_fit_at))
     loss = masked_mse if tokens is not None else F.mse_loss
     if oom is not None: loss = SimulatedOOM(loss, oom[0], rank, oom[1])   # (rank, items above which it runs out of memory)
     if cancel is not None: cbs.append(CancelOnRank(cancel[0], rank, cancel[1]))   # (rank, which micro-batch)
     learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=loss, lr=LR)
-    # a tiny bucket cap: every parameter its own bucket, so the counts check "once per bucket", not just "once"
-    learn.model = ddp(model, bucket_cap_mb=bucket_cap_mb) if ddp is not None else model
-    counter = count_allreduces(learn.model) if ddp is not None else None
+    if fsdp:
+        fsdp_shard(model, world_size, **(fsdp if isinstance(fsdp, dict) else {}))
+        learn.create_opt()   # on the sharded (DTensor) parameters
+        stack = contextlib.ExitStack(); counter = FSDPCounter(stack.enter_context(count_collectives()), fsdp_group_count(model))
+    else:
+        # a tiny bucket cap: every parameter its own bucket, so the counts check "once per bucket", not just "once"
+        learn.model = ddp(model, bucket_cap_mb=bucket_cap_mb) if ddp is not None else model
+        counter = count_allreduces(learn.model) if ddp is not None else None
+        stack = contextlib.ExitStack()
     spy = DDPSpy(counter or _NullCounter())
     learn.add_cb(spy)
     report = learn.check_accumulation() if check else None   # each rank on its own samples, no collective
-    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+    with stack, learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore'); learn.fit(n_epoch, lr=LR)
+        if cancel_fit_at is not None:   # a second fit after one cancelled mid-window: nothing of the first may leak
+            held = held_unsharded_grad_bytes(model) if fsdp else 0
+            spy.buf = []; learn.fit(1, lr=LR); spy.held_after_cancel = held
     ga_cb = getattr(learn, 'gradient_accumulation', None)
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    params = full_params(model)
     bn_stats = [model.bn.running_mean.clone(), model.bn.running_var.clone(), model.bn.num_batches_tracked.item()] if bn else None
     return dict(params=params, bn_stats=bn_stats, micro=spy.micro, windows=spy.windows, rounds=counter.n_rounds if counter else 0,
                 calls=counter.n_calls if counter else 0, n_buckets=len(set(counter.buckets)) if counter else 0,
@@ -150,6 +189,9 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
                 window_items=list(ga_cb.window_items) if isinstance(ga_cb, GradientAccumulation) else None,
                 n_dropped=ga_cb.n_dropped if isinstance(ga_cb, GradientAccumulation) else None,
                 micro_bs=ga_cb.micro_bs if isinstance(ga_cb, GradientAccumulation) else None,
+                n_skipped=ga_cb.n_skipped if isinstance(ga_cb, GradientAccumulation) else None,
+                held_after_cancel=getattr(spy, 'held_after_cancel', None),
+                collectives=None if not fsdp else dict(rs=counter.c.reduce_scatter, ag=counter.c.all_gather, groups=counter.n_groups),
                 check=None if report is None else dict(exact=report.exact, sizes=report.micro_sizes, causes=report.causes))
 
 class CountOnceWrapped(Callback):
@@ -173,6 +215,25 @@ def train_fastai(rank, world_size, n=32, bs=4, n_epoch=2, ga=None, seed=0):
                 window_items=list(learn.gradient_accumulation.window_items))
 
 class _NullCounter: n_calls,n_rounds,buckets = 0,0,[]
+
+def clip():
+    from fastai.callback.training import GradientClip
+    return GradientClip(0.05)   # small enough to clip (the test compares with DDP, whose clipping is exact)
+
+def bf16():
+    from fastai.callback.fp16 import MixedPrecision
+    return MixedPrecision(amp_mode='bf16')
+
+class NoValid(Callback):
+    def before_validate(self): raise CancelValidException()
+
+class CancelFitAt(Callback):
+    "Cancel the (first) fit at training micro-batch `at` (in `after_batch`): its window is left half-accumulated"
+    def __init__(self, at): self.at,self.k,self.done = at,0,False
+    def after_batch(self):
+        if not self.training or self.done: return
+        self.k += 1
+        if self.k == self.at: self.done = True; raise CancelFitException()
 
 def run_many(rank, world_size, scenarios):
     "Run several named scenarios in one spawn (process start and fastai's import dominate a scenario's cost)"
@@ -206,3 +267,62 @@ def large_batch_reference(windows_per_rank, n_out=3, tokens=False, seed=0, lr=LR
         with torch.no_grad():
             for p in model.parameters(): p -= lr*p.grad
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+# -- FSDP2: save/load, the fastai way in, export --------------------------------------------------------------------
+def fsdp_save_load(rank, world_size, d, seed=0):
+    """Train a sharded float64 MLP, `learn.save`; a fresh sharded Learner `learn.load`s it. Returns the weights of both
+    and what the file holds (whole tensors, not rank 0's shards)"""
+    from accum_callback import GradientAccumulation
+    from fastai.optimizer import Adam
+    ds = shard([32, 32], rank, seed=seed)
+    def mk(s):
+        model = MLP(n_in=5, n_out=3, seed=s).double()
+        learn = make_learner(ds, 4, cbs=[Float64Run(), GradientAccumulation(n_step=2)], model=model, opt_func=Adam, lr=1e-2)
+        learn.path = Path(d); fsdp_shard(model, world_size); learn.create_opt(); return learn
+    a = mk(seed)
+    with a.no_bar(), a.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore'); a.fit(1)
+    f = a.save('m')
+    saved = torch.load(f, map_location='cpu', weights_only=False)
+    b = mk(seed+1)   # other weights, and an optimizer to fill
+    b.load('m')
+    st_a = [(k, full_params_of(v)) for k,v in sorted(_adam_state(a).items())]
+    st_b = [(k, full_params_of(v)) for k,v in sorted(_adam_state(b).items())]
+    return dict(a=full_params(a.model), b=full_params(b.model), file_shapes=[tuple(v.shape) for v in saved['model'].values()],
+                full_shapes=[tuple(p.shape) for p in MLP(n_in=5, n_out=3).state_dict().values()],
+                opt_equal=all(torch.equal(x, y) for (_,x),(_,y) in zip(st_a, st_b)) and len(st_a) > 0)
+
+def full_params_of(v): return v.full_tensor() if hasattr(v, 'full_tensor') else v
+
+def _adam_state(learn):
+    out = {}
+    for i,(p,*_) in enumerate(learn.opt.all_params()):
+        for k,v in learn.opt.state[p].items():
+            if isinstance(v, torch.Tensor) and v.ndim: out[f'{i}.{k}'] = v
+    return out
+
+class ExportableDataset(TensorDataset):
+    "fastai's `export` empties the datasets (`new_empty`)"
+    def new_empty(self): return type(self)(*[t[:0] for t in self.tensors])
+
+def fsdp_way_in(rank, world_size, d, n=64, bs=4, n_epoch=2, seed=0, path='fsdp'):
+    """The same Learner, all samples on every rank, trained through `learn.to_fsdp()` (FSDP2, DistributedDL) or through
+    fastai's `distrib_ctx` (Accelerate's DDP, DistributedDL): the weights, and `learn.export` under FSDP2"""
+    from accum_callback import GradientAccumulation
+    from accum_callback.distributed import gloo_distributed_dl
+    x,y = make_data(n, seed=seed)
+    learn = make_learner(ExportableDataset(x, y), bs, cbs=[Float64Run(), GradientAccumulation(n_step=2)],
+                         model=MLP(n_in=5, n_out=3, seed=seed).double(), lr=LR, valid=ExportableDataset(x[:8], y[:8]))
+    learn.path = Path(d)
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        if path == 'fsdp':
+            with learn.fsdp_ctx():
+                sharded = type(learn.model).__name__
+                learn.fit(n_epoch, lr=LR)
+                learn.export('exported.pkl')
+        else:
+            with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True): learn.fit(n_epoch, lr=LR)
+            sharded = None
+    return dict(params=torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()]), sharded=sharded,
+                plain=type(learn.model).__name__, steps=learn.gradient_accumulation.steps)

@@ -36,6 +36,28 @@ SCENARIOS = dict(
     # issue 21: learn.check_accumulation() under DDP, each rank on its own samples (rank 0's BatchNorm model too)
     check_ddp        = dict(sizes=[32,32], ga=dict(n_step=4), check=True),
     check_ddp_bn     = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1., check=True),
+    # issue 22: FSDP2 (`fully_shard` per Linear, then the root, over a CPU mesh), each rank its own data
+    fsdp_n4          = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True),
+    fsdp_sharded     = dict(sizes=[32,32], ga=dict(n_step=4, sharded_grads=True), fsdp=True),
+    fsdp_gathered    = dict(sizes=[32,32], ga=dict(n_step=4, gathered_params=True), fsdp=True),
+    fsdp_uneven      = dict(sizes=[14,16], ga=dict(n_step=4), fsdp=True),
+    fsdp_tokens      = dict(sizes=[14,16], ga=dict(n_step=4), tokens=[0.2,0.9], fsdp=True),
+    fsdp_t12_drop    = dict(sizes=[14,16], ga=dict(target_bs=12, partial='drop'), fsdp=True),
+    fsdp_t12_carry   = dict(sizes=[14,16], ga=dict(target_bs=12, partial='carry'), fsdp=True),
+    fsdp_n3_step     = dict(sizes=[14,16], ga=dict(n_step=3, partial='step'), fsdp=True),
+    fsdp_clip        = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, cbs_extra=[W.clip]),
+    ddp_clip         = dict(sizes=[32,32], ga=dict(n_step=4), cbs_extra=[W.clip]),
+    fsdp_bf16        = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, fp32=True, cbs_extra=[W.bf16]),
+    ddp_bf16         = dict(sizes=[32,32], ga=dict(n_step=4), fp32=True, cbs_extra=[W.bf16]),
+    fsdp_nan         = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, nan_at=(1, 5)),
+    fsdp_cancel      = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, cancel_fit_at=6, n_epoch=1),
+    fsdp_micro3      = dict(sizes=[28,32], bs=8, ga=dict(n_step=2, micro_bs=3), fsdp=True),
+    fsdp_pool        = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1., fsdp=True),
+    fsdp_momentum    = dict(sizes=[32,32], ga=dict(n_step=4), bn='momentum', shift=1., fsdp=True),
+    fsdp_freeze      = dict(sizes=[32,32], ga=dict(n_step=4), bn='freeze', shift=1., fsdp=True),
+    fsdp_groupnorm   = dict(sizes=[32,32], ga=dict(n_step=4), bn='groupnorm', fsdp=True),
+    fsdp_auto        = dict(sizes=[32,32], bs=8, ga=dict(micro_bs='auto'), fsdp=True),
+    fsdp_root_only_blocks = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=dict(root=False)),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
 
@@ -195,3 +217,109 @@ def test_check_accumulation_on_each_rank(runs):
     for name,causes in (('check_ddp', ()), ('check_ddp_bn', ('batchnorm',))):
         for r in get(runs, name):
             assert r['check']['sizes'] == [4]*4 and r['check']['causes'] == causes and r['check']['exact'] == (not causes)
+
+# issue 22: FSDP2 ------------------------------------------------------------------------------------------------------
+def test_fsdp_one_reduce_scatter_round_per_window(runs):
+    """Micro-batches that do not step skip FSDP2's reduce-scatter; the one that steps reduce-scatters every group once.
+    `sharded_grads=True` reduce-scatters every micro-batch instead (k rounds); `gathered_params=True` all-gathers once
+    a window instead of twice a micro-batch. Every mode: the same weights, one large batch per step"""
+    r0,r1 = get(runs, 'fsdp_n4')
+    c = r0['collectives']
+    assert c['groups'] == 2 and r0['steps'] == 4 and len(r0['micro']) == 16
+    assert c['rs'] == c['groups']*r0['steps'] and c['ag'] == 2*c['groups']*16   # 1 round a window; gathers: fwd + bwd
+    assert [m['rounds'] for m in r0['micro']] == [0, 0, 0, 1]*4
+    s0,_ = get(runs, 'fsdp_sharded')
+    assert s0['collectives']['rs'] == c['groups']*16 and all(m['rounds'] == 1 for m in s0['micro'])   # k rounds
+    g0,_ = get(runs, 'fsdp_gathered')
+    assert g0['collectives']['ag'] == c['groups']*g0['steps'] and g0['collectives']['rs'] == c['rs']
+    for name in ('fsdp_n4', 'fsdp_sharded', 'fsdp_gathered'):
+        a,b = get(runs, name)
+        assert torch.equal(a['params'], b['params']); check_large_batch(a, b)
+
+@pytest.mark.parametrize('name,items', [('fsdp_uneven', [30., 30.]), ('fsdp_tokens', None), ('fsdp_t12_drop', [24.]*2),
+                                        ('fsdp_t12_carry', [24., 22.]), ('fsdp_n3_step', [24., 6.]*2)])
+def test_fsdp_global_item_weighted_mean(runs, name, items):
+    """Uneven item counts across ranks (a short last batch; token counts), partial windows, target_bs: every step is one
+    large batch of the union of both ranks' window samples (before: 110% off, each rank divided by its own count after
+    FSDP had averaged over the ranks)"""
+    r0,r1 = get(runs, name)
+    assert r0['window_items'] == r1['window_items'] and (items is None or r0['window_items'] == items)
+    check_large_batch(r0, r1, tokens=name == 'fsdp_tokens')
+
+@pytest.mark.parametrize('fsdp,ddp,tol', [('fsdp_clip', 'ddp_clip', 1e-12), ('fsdp_bf16', 'ddp_bf16', 1e-6)])
+def test_fsdp_clipping_and_mixed_precision_as_under_ddp(runs, fsdp, ddp, tol):
+    "GradientClip over DTensor gradients and fastai's MixedPrecision(bf16): the weights DDP reaches (which are exact there)"
+    for a,b in zip(get(runs, fsdp), get(runs, ddp)): assert rel_err(a['params'], b['params']) <= tol
+
+def test_fsdp_nonfinite_window_skipped_on_every_rank(runs):
+    r0,r1 = get(runs, 'fsdp_nan')
+    assert r0['n_skipped'] == r1['n_skipped'] == 2 and r0['steps'] == 2   # rank 1's NaN sample: both ranks skip
+    check_large_batch(r0, r1)
+
+def test_fsdp_fit_cancelled_mid_window_leaves_nothing(runs):
+    "A fit cancelled in the middle of a window holds no unsharded gradient after it; the next fit is exact"
+    r0,r1 = get(runs, 'fsdp_cancel')
+    assert r0['held_after_cancel'] == r1['held_after_cancel'] == 0
+    assert len(r0['windows']) == len(r1['windows']) == 1 + r0['steps'] == 3   # one step before the cancel, two after
+    ref = W.large_batch_reference([r0['windows'], r1['windows']])
+    assert rel_err(r0['params'], ref) < TOL and rel_err(r1['params'], ref) < TOL
+
+def test_fsdp_fixed_micro_bs(runs):
+    r0,r1 = get(runs, 'fsdp_micro3')
+    assert r0['collectives']['rs'] == r0['collectives']['groups']*r0['steps']
+    check_large_batch(r0, r1)
+
+def test_fsdp_batchnorm_modes(runs):
+    """'pool' on each rank's own buffers (FSDP2 shards parameters, not buffers, and broadcasts none): each rank's running
+    statistics are those one large batch of its own windows leaves; 'momentum'/'freeze' train alike on both ranks"""
+    r0,r1 = get(runs, 'fsdp_pool')
+    for r in (r0, r1):
+        rm,rv = W.bn_pool_reference(r['windows'])
+        assert rel_err(r['bn_stats'][0], rm) < TOL and rel_err(r['bn_stats'][1], rv) < TOL and r['bn_stats'][2] == r['steps']
+    assert rel_err(r0['bn_stats'][0], r1['bn_stats'][0]) > 0.1   # the ranks' data differ
+    for name in ('fsdp_momentum', 'fsdp_freeze'):
+        a,b = get(runs, name); assert torch.equal(a['params'], b['params']) and a['steps'] == 4
+
+@pytest.mark.parametrize('name,match', [('fsdp_groupnorm', 'Convert before sharding'), ('fsdp_auto', "micro_bs='auto'.*FSDP2"),
+                                        ('fsdp_root_only_blocks', 'not its root')])
+def test_fsdp_refusals_say_what_to_do(runs, name, match):
+    import re
+    r0,r1 = runs[name]
+    for r in (r0, r1): assert 'error' in r and re.search(match, r['error']), r.get('error', '')[:300]
+
+def test_fsdp_save_load_whole_model(tmp_path):
+    """`learn.save` writes the whole model (gathered, rank 0 writes) and the optimizer state; `learn.load` into another
+    sharded Learner gives every rank its own shard of it (before: rank 0's shard on every rank, weights 0.74 off)"""
+    r0,r1 = W.spawn(W.fsdp_save_load, d=str(tmp_path), timeout=60)
+    for r in (r0, r1): assert torch.equal(r['a'], r['b']) and r['opt_equal']
+    assert r0['file_shapes'] == r0['full_shapes']
+
+def test_fsdp_way_in_equals_ddp_and_exports(tmp_path):
+    """`learn.fsdp_ctx()` (to_fsdp: FSDP2 block by block, optimizer rebuilt, DistributedDL; from_fsdp after) trains
+    exactly what fastai's `distrib_ctx` (Accelerate's DDP) does, and `learn.export` under it writes an unsharded model
+    that `load_learner` predicts with in one process"""
+    f0,f1 = W.spawn(W.fsdp_way_in, d=str(tmp_path), timeout=60)
+    d0,_ = W.spawn(W.fsdp_way_in, d=str(tmp_path/'ddp'), path='ddp', timeout=60)
+    assert f0['sharded'] == 'FSDPMLP' and f0['plain'] == 'MLP' and f0['steps'] == d0['steps'] == 8
+    assert rel_err(f0['params'], d0['params']) < TOL and torch.equal(f0['params'], f1['params'])
+    import warnings
+    from fastai.learner import load_learner
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); learn = load_learner(tmp_path/'exported.pkl')
+    assert type(learn.model).__name__ == 'MLP'
+    m = W.MLP(n_in=5, n_out=3).double()
+    torch.nn.utils.vector_to_parameters(f0['params'], m.parameters())
+    x = torch.randn(3, 5, dtype=torch.float64)
+    assert torch.allclose(learn.model(x), m(x))
+
+def test_fsdp1_is_refused_pointing_to_to_fsdp():
+    """A model in FSDP1's `FullyShardedDataParallel` (what Accelerate's FSDP plugin makes through fastai's `distrib_ctx`)
+    is refused when training starts, pointing to `learn.to_fsdp()`. FSDP1 needs a GPU to be built, so the wrapper here is
+    an FSDP1 instance made without its constructor: the check is by type"""
+    import warnings
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from helpers import MLP
+    fake = FSDP1.__new__(FSDP1); torch.nn.Module.__init__(fake); fake._modules['_fsdp_wrapped_module'] = MLP()
+    from accum_callback.distributed import check_fsdp
+    with pytest.raises(ValueError, match=r'FSDP1.*learn\.to_fsdp\(\)'): check_fsdp(torch.nn.Sequential(fake))
+    check_fsdp(MLP())   # an unsharded model passes (`GradientAccumulation` calls this at before_fit and before_train)

@@ -1,0 +1,210 @@
+"""fastai + FSDP2 (`torch.distributed.fsdp.fully_shard`): a way in (`learn.to_fsdp`, `learn.from_fsdp`, `learn.fsdp_ctx`)
+and fastai's `save`/`load`/`export` that write and read the whole model, not one rank's shard.
+
+`GradientAccumulation` accumulates under FSDP2 whoever sharded the model (one reduce-scatter per window; see
+`accumulate.py` and `distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
+optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the checkpoints."""
+from __future__ import annotations
+import contextlib, copy, functools, os, warnings
+
+import torch, torch.nn as nn
+import torch.distributed as dist
+from fastai.learner import Learner
+from fastcore.basics import patch
+
+from .distributed import gloo_distributed_dl, is_fsdp, unwrap
+
+__all__ = ['default_blocks', 'fsdp_full_state_dict', 'FSDPState']
+
+def default_blocks(model:nn.Module)->list:
+    """The blocks `to_fsdp` shards by default: modules that sit in an `nn.Sequential` or `nn.ModuleList` beside a sibling
+    of the same class and hold parameters (ResNet's BasicBlock/Bottleneck, ConvNeXt and ViT blocks), the outermost ones"""
+    found,taken = [],set()
+    def walk(m):
+        for c in m.children():
+            if id(c) in taken: continue
+            if isinstance(m, (nn.Sequential, nn.ModuleList)) and any(type(s) is type(c) and s is not c for s in m.children()) \
+               and any(True for _ in c.parameters()):
+                found.append(c); taken.update(id(x) for x in c.modules())
+            else: walk(c)
+    walk(model)
+    return found
+
+def _meta_template(model:nn.Module)->nn.Module:
+    "An unsharded copy of `model`'s architecture with no storage (meta tensors): what `export`/`from_fsdp` fill again"
+    memo = {id(t): (nn.Parameter(torch.empty_like(t, device='meta'), t.requires_grad) if isinstance(t, nn.Parameter)
+                    else torch.empty_like(t, device='meta'))
+            for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+class FSDPState:
+    "What `to_fsdp` changed on a Learner, to put back: the loaders, the unsharded template, whether it started the group"
+    def __init__(self, template, dls_loaders, device, own_group):
+        self.template,self.dls_loaders,self.device,self.own_group = template,dls_loaders,device,own_group
+        self.dl_patch = contextlib.ExitStack()
+
+def _init_group():
+    "Start the default process group from torchrun's environment (NCCL with a GPU, gloo without); True if started here"
+    if dist.is_initialized(): return False
+    if 'RANK' not in os.environ or 'WORLD_SIZE' not in os.environ:
+        raise RuntimeError("to_fsdp: no process group and no torchrun environment (RANK, WORLD_SIZE): launch with "
+                           "`torchrun --nproc_per_node=N script.py` (see docs/distributed.md), or init the group first")
+    if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
+    dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo')
+    return True
+
+@patch
+def to_fsdp(self:Learner,
+    blocks=None, # modules (or a function of the model giving them) to shard each on its own; default `default_blocks`
+    mesh=None, # a `DeviceMesh`; default one dimension over every rank, on this rank's GPU or the CPU
+    shard_data:bool=True, # cut the training and validation loaders per rank with fastai's `DistributedDL`
+    **kwargs # passed to `fully_shard` (e.g. `reshard_after_forward`, `mp_policy`)
+):
+    """Shard `learn.model` with FSDP2 block by block, then its root; rebuild the optimizer on the sharded parameters;
+    cut the data per rank. A `BatchNormAccumulation('groupnorm'/'renorm')` on the Learner converts the model first (a
+    sharded model cannot be converted). Launch with `torchrun`; `learn.from_fsdp()` puts everything back"""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from fastai.distributed import DistributedDL
+    if getattr(self, 'fsdp_state', None) is not None: raise ValueError("to_fsdp: the Learner is sharded already")
+    own = _init_group()
+    model = unwrap(self.model)
+    if is_fsdp(model): raise ValueError("to_fsdp: the model is sharded already (by `fully_shard`); use it as it is")
+    from .batchnorm import BatchNormAccumulation, MODES
+    bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
+    if bna is not None and bna.mode in ('groupnorm', 'renorm'): model = MODES[bna.mode](bna).convert(model)
+    dev = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
+    model = model.to(dev)
+    if mesh is None: mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    template = _meta_template(model)
+    bs = blocks(model) if callable(blocks) else (default_blocks(model) if blocks is None else list(blocks))
+    for b in bs: fully_shard(b, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    self.model = model
+    st = self.fsdp_state = FSDPState(template, list(self.dls.loaders), dev, own)
+    if shard_data:
+        if dist.get_backend() != 'nccl': st.dl_patch.enter_context(gloo_distributed_dl())
+        self.dls.loaders = [dl if isinstance(dl, DistributedDL) else DistributedDL(dl) for dl in self.dls.loaders]
+    self.create_opt()   # on the sharded (DTensor) parameters
+    return self
+
+def fsdp_full_state_dict(model)->dict:
+    "The whole model's state dict, gathered from every rank (a collective: every rank calls it), on the CPU of rank 0"
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def _unsharded(template, sd, device='cpu')->nn.Module:
+    m = copy.deepcopy(template).to_empty(device=device)
+    m.load_state_dict(sd)
+    return m
+
+@patch
+def from_fsdp(self:Learner,
+    device=None, # where the unsharded model goes (default: where `to_fsdp` put the sharded one)
+):
+    "Undo `to_fsdp`: `learn.model` is the whole (unsharded) model again on every rank, the loaders and optimizer fastai's"
+    st = getattr(self, 'fsdp_state', None)
+    if st is None: raise ValueError("from_fsdp: the Learner was not sharded with `learn.to_fsdp()`")
+    sd = fsdp_full_state_dict(self.model)
+    obj = [sd if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)   # rank 0 holds the gathered weights
+    self.model = _unsharded(st.template, obj[0], device or st.device)
+    self.dls.loaders = st.dls_loaders
+    st.dl_patch.close()
+    self.fsdp_state = None
+    self.create_opt()
+    if st.own_group: dist.destroy_process_group()
+    return self
+
+@patch
+@contextlib.contextmanager
+def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, **kwargs):
+    "`to_fsdp` for the block, `from_fsdp` after it (also after an error): fastai's `distrib_ctx`, with FSDP2"
+    self.to_fsdp(blocks=blocks, mesh=mesh, shard_data=shard_data, **kwargs)
+    try: yield self
+    finally: self.from_fsdp()
+
+# -- fastai's save / load / export under FSDP2 ------------------------------------------------------------------------------
+_fastai_save,_fastai_load,_fastai_export = Learner.save,Learner.load,Learner.export
+
+def _full(t):
+    "A DTensor gathered whole on the CPU (a collective), anything else as it is"
+    return t.full_tensor().cpu() if hasattr(t, 'full_tensor') else t
+
+def _map(f, o):
+    if isinstance(o, dict): return type(o)((k, _map(f, v)) for k,v in o.items())
+    if isinstance(o, (list, tuple)): return type(o)(_map(f, v) for v in o)
+    return f(o)
+
+def _opt_states(opt)->list:
+    "(parameter, state dict) pairs of a fastai `Optimizer` or `OptimWrapper`"
+    inner = getattr(opt, 'opt', None)
+    if inner is not None and isinstance(getattr(inner, 'state', None), dict): return [(p, s) for p,s in inner.state.items()]
+    return [(p, opt.state[p]) for p,*_ in opt.all_params() if p in opt.state]
+
+@functools.wraps(_fastai_save)
+def _save(self, file, with_opt=True, pickle_protocol=2, **kwargs):
+    if not is_fsdp(self.model): return _fastai_save(self, file, with_opt=with_opt, pickle_protocol=pickle_protocol, **kwargs)
+    from fastcore.xtras import join_path_file
+    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    state = fsdp_full_state_dict(self.model)   # every rank takes part in the gathers
+    if with_opt and getattr(self, 'opt', None) is not None:
+        state = {'model': state, 'opt': _map(_full, self.opt.state_dict())}
+    if dist.get_rank() == 0: torch.save(state, file, pickle_protocol=pickle_protocol, **kwargs)
+    dist.barrier()
+    return file
+
+@functools.wraps(_fastai_load)
+def _load(self, file, device=None, with_opt=True, strict=True, **kwargs):
+    if not is_fsdp(self.model): return _fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
+    from fastcore.xtras import join_path_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
+    from torch.distributed.tensor import distribute_tensor
+    if self.opt is None: self.create_opt()
+    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    dist.barrier()
+    state = torch.load(file, map_location='cpu', weights_only=False)   # every rank reads the whole file (a shared disk)
+    has_opt = set(state) == {'model', 'opt'}
+    set_model_state_dict(self.model, state['model'] if has_opt else state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    if has_opt and with_opt:
+        self.opt.load_state_dict(state['opt'])
+        for p,s in _opt_states(self.opt):   # whole tensors back into this rank's shard of each parameter's layout
+            if not hasattr(p, 'device_mesh'): continue
+            for k,v in list(s.items()):
+                if isinstance(v, torch.Tensor) and not hasattr(v, 'device_mesh') and tuple(v.shape) == tuple(p.shape):
+                    s[k] = distribute_tensor(v.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None)
+    elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
+    return self
+
+@functools.wraps(_fastai_export)
+def _export(self, fname='export.pkl', **kwargs):
+    if not is_fsdp(self.model): return _fastai_export(self, fname, **kwargs)
+    st = getattr(self, 'fsdp_state', None)
+    if st is None:
+        raise ValueError("learn.export under FSDP2 needs the unsharded architecture: shard with `learn.to_fsdp()` (which "
+                         "keeps it), or build the model again unsharded and load `learn.save(...)`'s file into it")
+    sd = fsdp_full_state_dict(self.model)   # every rank takes part; rank 0 writes
+    err = None
+    if dist.get_rank() == 0:
+        model,opt,loaders = self.model,self.opt,self.dls.loaders
+        self.model,self.opt,self.dls.loaders = _unsharded(st.template, sd, 'cpu'),None,st.dls_loaders
+        fsdp_state,self.fsdp_state = self.fsdp_state,None
+        try:
+            with _as_rank0(): _fastai_export(self, fname, **kwargs)
+        except Exception as e: err = f'{type(e).__name__}: {e}'
+        finally: self.model,self.opt,self.dls.loaders,self.fsdp_state = model,opt,loaders,fsdp_state
+    res = [err]
+    dist.broadcast_object_list(res, src=0)   # every rank ends alike: done, or the same error
+    if res[0] is not None: raise RuntimeError(f"learn.export under FSDP2 failed on rank 0: {res[0]}")
+
+@contextlib.contextmanager
+def _as_rank0():
+    "fastai's export writes only where `RANK` is 0 or unset"
+    old = os.environ.get('RANK')
+    os.environ['RANK'] = '0'
+    try: yield
+    finally:
+        if old is None: os.environ.pop('RANK', None)
+        else: os.environ['RANK'] = old
+
+Learner.save,Learner.load,Learner.export = _save,_load,_export
