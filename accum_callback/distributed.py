@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
-           'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_unsharded_grad_bytes',
+           'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_unsharded_grad_bytes', 'held_grad_bytes',
            'set_resharding', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
            'gloo_distributed_dl']
@@ -99,14 +99,20 @@ def fsdp_group_count(model)->int:
 
 def held_unsharded_grad_bytes(model)->int:
     "Bytes of unsharded gradient FSDP2 holds on this rank now (between backward passes without sync)"
-    n = 0
+    return held_grad_bytes(model)[0]
+
+def held_grad_bytes(model)->tuple[int,int]:
+    "(unsharded, sharded) gradient bytes FSDP2's parameters hold on this rank now"
+    u = s = 0
     for fp in _fsdp_params(model):
         g = getattr(fp, 'unsharded_accumulated_grad', None)
         if g is None:
             up = fp.__dict__.get('_unsharded_param')
             g = up.grad if up is not None else None
-        if g is not None: n += g.numel()*g.element_size()
-    return n
+        if g is not None: u += g.numel()*g.element_size()
+        sg = getattr(getattr(fp, 'sharded_param', None), 'grad', None)
+        if sg is not None: sg = _local(sg); s += sg.numel()*sg.element_size()
+    return u,s
 
 def sum_over_ranks(values:list, model)->list:
     """`values` (numbers or 0-d tensors) summed over the ranks of a DDP or FSDP2 `model`, as floats: one float64
