@@ -220,6 +220,10 @@ def clip():
     from fastai.callback.training import GradientClip
     return GradientClip(0.05)   # small enough to clip (the test compares with DDP, whose clipping is exact)
 
+def fp16():
+    from fastai.callback.fp16 import MixedPrecision
+    return MixedPrecision(amp_mode='fp16')
+
 def bf16():
     from fastai.callback.fp16 import MixedPrecision
     return MixedPrecision(amp_mode='bf16')

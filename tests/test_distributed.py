@@ -49,6 +49,8 @@ SCENARIOS = dict(
     ddp_clip         = dict(sizes=[32,32], ga=dict(n_step=4), cbs_extra=[W.clip]),
     fsdp_bf16        = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, fp32=True, cbs_extra=[W.bf16]),
     ddp_bf16         = dict(sizes=[32,32], ga=dict(n_step=4), fp32=True, cbs_extra=[W.bf16]),
+    fsdp_fp16        = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, fp32=True, cbs_extra=[W.fp16]),
+    ddp_fp16         = dict(sizes=[32,32], ga=dict(n_step=4), fp32=True, cbs_extra=[W.fp16]),
     fsdp_nan         = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, nan_at=(1, 5)),
     fsdp_cancel      = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=True, cancel_fit_at=6, n_epoch=1),
     fsdp_micro3      = dict(sizes=[28,32], bs=8, ga=dict(n_step=2, micro_bs=3), fsdp=True),
@@ -246,9 +248,11 @@ def test_fsdp_global_item_weighted_mean(runs, name, items):
     assert r0['window_items'] == r1['window_items'] and (items is None or r0['window_items'] == items)
     check_large_batch(r0, r1, tokens=name == 'fsdp_tokens')
 
-@pytest.mark.parametrize('fsdp,ddp,tol', [('fsdp_clip', 'ddp_clip', 1e-12), ('fsdp_bf16', 'ddp_bf16', 1e-6)])
+@pytest.mark.parametrize('fsdp,ddp,tol', [('fsdp_clip', 'ddp_clip', 1e-12), ('fsdp_bf16', 'ddp_bf16', 1e-6),
+                                          ('fsdp_fp16', 'ddp_fp16', 1e-6)])
 def test_fsdp_clipping_and_mixed_precision_as_under_ddp(runs, fsdp, ddp, tol):
-    "GradientClip over DTensor gradients and fastai's MixedPrecision(bf16): the weights DDP reaches (which are exact there)"
+    """GradientClip over DTensor gradients, fastai's MixedPrecision in bf16 and in fp16 with its grad scaler (unscaled once a
+    window, on the CPU's autocast here): the weights DDP reaches, which are exact there"""
     for a,b in zip(get(runs, fsdp), get(runs, ddp)): assert rel_err(a['params'], b['params']) <= tol
 
 def test_fsdp_nonfinite_window_skipped_on_every_rank(runs):
