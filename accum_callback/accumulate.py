@@ -194,9 +194,8 @@ class GradientAccumulation(Callback):
             warnings.warn(f"GradientAccumulation: {self.n_skipped} window(s) dropped because a micro-batch gave a "
                           "non-finite loss", stacklevel=2)
 
-    def before_train(self):
+    def before_train(self):   # (the loader is cut by `micro._CutLoader`, after callbacks that replace it)
         check_fsdp(self.learn.model)   # a model another callback sharded in its `before_fit` (Accelerate's FSDP plugin)
-        if self.micro is not None: self.micro.start_train()
 
     def after_train(self):
         if self.micro is not None: self.micro.end_train()

@@ -9,7 +9,7 @@ import gc, random, time, warnings
 from numbers import Integral
 
 import torch, torch.nn as nn
-from fastai.callback.core import CancelBatchException
+from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs
 
@@ -231,6 +231,15 @@ class _OneBatch:
         mb.undo()
         mb.halve(msg)
 
+class _CutLoader(Callback):
+    """Cuts the training loader into micro-batches once every callback that replaces it has (fastai's
+    `DistributedTrainer`, order 11, wraps `learn.dl` in `DistributedDL` in its `before_train`: cut before it, the pieces
+    were wrapped again and never cut), and before anything reads its length (the progress bar, order 60). Added by
+    `GradientAccumulation` for the length of a fit"""
+    order,run_valid = 12,False
+    def __init__(self, mb): self.mb = mb
+    def before_train(self): self.mb.start_train()
+
 # -- the micro-batcher -------------------------------------------------------------------------------------------------------
 class MicroBatcher:
     """The micro-batching of one `GradientAccumulation`: `size` is the micro-batch in use (fixed, or what 'auto' found,
@@ -267,6 +276,7 @@ class MicroBatcher:
         if self.auto:
             if self.size is None: self.size = getattr(learn.dls.train, 'bs', None)   # or what an earlier fit found
             self._install()
+        if not any(isinstance(cb, _CutLoader) for cb in learn.cbs): learn.add_cb(_CutLoader(self))
     def _install(self):
         if not isinstance(self.learn.__dict__.get('one_batch'), _OneBatch): self.learn.one_batch = _OneBatch(self.learn, self)
     def unhook(self):
@@ -275,6 +285,7 @@ class MicroBatcher:
         if learn is None: return
         if isinstance(learn.__dict__.get('one_batch'), _OneBatch): del learn.__dict__['one_batch']
         self.end_train()
+        learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, _CutLoader)])
         self._state,self.snap = None,None
 
     def start_train(self):

@@ -23,6 +23,8 @@ SCENARIOS = dict(
     target12_step = dict(sizes=[14,16], ga=dict(target_bs=12, partial='step')),
     n_step3_carry = dict(sizes=[14,16], ga=dict(n_step=3, partial='carry')),
     fastai_path   = dict(fastai_path=True, n=32, ga=dict(n_step=4)),              # learn.distrib_ctx(): Accelerate + DistributedDL
+    fastai_path_n2= dict(fastai_path=True, n=32, ga=dict(n_step=2)),
+    fastai_path_micro2 = dict(fastai_path=True, n=32, ga=dict(n_step=2, micro_bs=2)),   # fastai's DistributedDL, then cut
     # per-rank BatchNorm (rank 1's inputs shifted: its statistics differ), BatchNormAccumulation('pool')
     bn_pool       = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1.),
     bn_pool_uneven= dict(sizes=[14,16], ga=dict(n_step=4), bn='pool', shift=1.),
@@ -65,7 +67,7 @@ HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
 
 @pytest.fixture(scope='module')
 def runs():
-    scen = SCENARIOS if HAS_ACCELERATE else {k:v for k,v in SCENARIOS.items() if k != 'fastai_path'}
+    scen = SCENARIOS if HAS_ACCELERATE else {k:v for k,v in SCENARIOS.items() if not k.startswith('fastai_path')}
     r0,r1 = W.spawn(W.run_many, scenarios=scen, timeout=60)
     return {k: (r0[k], r1[k]) for k in scen}
 
@@ -327,3 +329,14 @@ def test_fsdp1_is_refused_pointing_to_to_fsdp():
     from accum_callback.distributed import check_fsdp
     with pytest.raises(ValueError, match=r'FSDP1.*learn\.to_fsdp\(\)'): check_fsdp(torch.nn.Sequential(fake))
     check_fsdp(MLP())   # an unsharded model passes (`GradientAccumulation` calls this at before_fit and before_train)
+
+@pytest.mark.skipif(not HAS_ACCELERATE, reason='fastai.distributed needs accelerate')
+def test_micro_bs_under_fastai_distrib_ctx(runs):
+    """`micro_bs` under fastai's `distrib_ctx`: its DistributedTrainer wraps `learn.dl` in `DistributedDL` in its own
+    `before_train` (order 11); the micro-batches used to be wrapped again and never cut (4 batches of 4, no step). They
+    are cut after it now: micro-batches of 2, the same steps and weights as loader batches of 4 uncut"""
+    a0,a1 = get(runs, 'fastai_path_n2')
+    b0,b1 = get(runs, 'fastai_path_micro2')
+    assert {m['bs'] for m in b0['micro']} == {2} and len(b0['micro']) == 2*len(a0['micro'])
+    assert b0['steps'] == a0['steps'] == 4
+    for a,b in ((a0, b0), (a1, b1)): assert rel_err(b['params'], a['params']) < TOL
