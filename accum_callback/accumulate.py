@@ -71,7 +71,8 @@ class GradientAccumulation(Callback):
         n_step:int|dict|callable=None, # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
         *,
         target_bs:int|dict|callable=None, # items per optimizer step: a window closes at the first micro-batch reaching it
-        partial:str='step', # partial window at the end of an epoch: 'step' it, 'drop' it, or 'carry' it into the next
+        n_acc:int=None, # fastai's spelling: items per optimizer step, = `target_bs` with windows carried over epochs as fastai does
+        partial:str=None, # partial window at the end of an epoch: 'step' it (default), 'drop' it, or 'carry' it into the next
         n_items:callable=None, # `f(learn)` -> how many items the micro-batch's mean loss averages over (default: batch size)
         skip_nonfinite:bool=True, # drop a window in which any micro-batch gave a non-finite loss
         micro_bs:int|str|None=None, # cut every loader batch into micro-batches of this many items; 'auto': the fastest that fits
@@ -81,7 +82,14 @@ class GradientAccumulation(Callback):
     ):
         if micro_bs is not None and not (micro_bs == 'auto' or (isinstance(micro_bs, Integral) and not isinstance(micro_bs, bool) and micro_bs >= 1)):
             raise ValueError(f"`micro_bs` must be a whole number >= 1, 'auto' or None, got {micro_bs!r}")
-        if n_step is not None and target_bs is not None or (n_step is None and target_bs is None and micro_bs is None):
+        if n_step is None and target_bs is None and n_acc is None and micro_bs is None: n_acc = 32   # fastai's default
+        if n_acc is not None:   # fastai's callback: `n_acc` counts items (a float such as 1e6 too); windows span epochs
+            if target_bs is not None: raise ValueError(f"Give `target_bs` or fastai's `n_acc` (the same thing), not both; got {target_bs!r} and {n_acc!r}")
+            if isinstance(n_acc, float) and n_acc.is_integer(): n_acc = int(n_acc)
+            target_bs,partial = n_acc,('carry' if partial is None else partial)
+        self.n_acc = n_acc   # fastai's rule: a window closes at the first batch reaching it, so no warning when it does not divide
+        if partial is None: partial = 'step'
+        if n_step is not None and target_bs is not None:
             raise ValueError("Give exactly one of `n_step` (micro-batches per optimizer step) or `target_bs` "
                              f"(items per optimizer step), or `micro_bs` alone (one step per loader batch); got "
                              f"n_step={n_step!r}, target_bs={target_bs!r}")
@@ -176,7 +184,7 @@ class GradientAccumulation(Callback):
                       lambda e: self._discard_window() or isinstance(e, CANCELS) or self._unhook_loop())
         if self.micro is not None: self.micro.start_fit(self.learn)   # refuses a model whose state it cannot split
         bs = getattr(self.dls.train, 'bs', None)
-        if self.target_bs_sched is not None and bs and not self._warned_divide:
+        if self.target_bs_sched is not None and bs and not self._warned_divide and self.n_acc is None:
             t = self.target_bs_sched()
             if t % bs:
                 warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows "

@@ -387,3 +387,48 @@ def test_export_load_learner_and_deepcopy(tmp_path):
         l.model.train(); fit_silent(l, 1)
     assert torch.equal(weights(twin), weights(learn)) and torch.equal(weights(again), weights(learn))
     assert isinstance(again.gradient_accumulation, GradientAccumulation) and again.gradient_accumulation.steps == 2
+
+# ====================================================================================================================
+# Coming from fastai's callback: `n_acc` (issue 23)
+# ====================================================================================================================
+def test_fastai_own_gradient_accumulation_tests_pass_with_ours():
+    """fastai's own tests of its GradientAccumulation (nbs/18a_callback.training.ipynb, fastai 2.8), with ours swapped
+    in: the same calls (`n_acc=` counts samples, windows carried across epochs, `n_acc=1e6` a float), the same asserts"""
+    from fastai.test_utils import synth_learner, synth_dbunch, RegModel
+    from fastai.torch_core import no_random, to_detach
+    from fastai.losses import MSELossFlat
+    from fastcore.test import test_close, test_ne
+    class GetGrads(Callback):
+        run_valid,order = False,GradientAccumulation.order+1
+        def before_step(self): self.grads = to_detach(L([p.grad.clone() for p in self.model.parameters()]))
+    def _test_acc(bs, n, cbs=None):
+        with no_random(99):
+            db = synth_dbunch(bs=bs, n_train=n, n_valid=n)
+            learn = Learner(db, RegModel(), loss_func=MSELossFlat(), cbs=[GetGrads] + L(cbs))
+            with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01)
+            train,valid = learn.recorder.values[-1]
+            return train,valid,learn.get_grads.grads
+    acc_cb = GradientAccumulation(n_acc=8)
+    train1,valid1,grads1 = _test_acc(8, 1)
+    train2,valid2,grads2 = _test_acc(1, 8, acc_cb)
+    test_close(grads2, grads1); test_close(valid2, valid1); test_ne(train2, train1)   # grads and valid loss same
+    # more samples per step than the data holds: the weights (and the validation loss) do not change at all
+    learn = synth_learner()
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01, cbs=GradientAccumulation(n_acc=1000))
+    assert learn.recorder.values[-1][1] == learn.recorder.values[0][1]
+    learn = synth_learner()
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(2, lr=0.01, cbs=GradientAccumulation(n_acc=2*learn.dls.bs))
+        assert learn.recorder.values[-1][0] < learn.recorder.values[0][0]   # train loss decreased
+        learn.fit(2, lr=0.01, cbs=GradientAccumulation(n_acc=1e6))
+        assert learn.recorder.values[-1][1] == learn.recorder.values[0][1]   # same weights
+
+def test_n_acc_means_fastai_n_acc_and_is_exact():
+    "n_acc = target_bs with windows carried over epochs (fastai's count is reset only at fit start); no argument = n_acc=32"
+    ga = GradientAccumulation(n_acc=12)
+    assert ga.target_bs_sched() == 12 and ga.partial == 'carry' and ga.n_step_sched is None
+    assert GradientAccumulation().target_bs_sched() == 32 and GradientAccumulation(n_acc=12, partial='step').partial == 'step'
+    spy = WindowSpy()
+    learn = img_learner(4, [GradientAccumulation(n_acc=12), spy], n=28)
+    fit_silent(learn, 2)
+    assert learn.gradient_accumulation.window_sizes == [12, 12, 12, 12] and max(spy.errs) <= TOL   # 28 x 2 = 56: 4 windows, 8 dropped at the end

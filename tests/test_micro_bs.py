@@ -160,7 +160,7 @@ def test_other_errors_propagate_untouched_and_are_not_retried():
 
 @pytest.mark.parametrize('kw,match', [(dict(micro_bs=0), 'micro_bs'), (dict(micro_bs='big'), 'micro_bs'),
                                       (dict(micro_bs=2.5), 'micro_bs'), (dict(micro_bs='auto', probe=1), 'probe'),
-                                      (dict(), 'micro_bs')])
+                                      (dict(n_step=2, target_bs=8), 'n_step'), (dict(target_bs=8, n_acc=8), 'n_acc')])
 def test_bad_arguments_name_themselves(kw, match):
     with pytest.raises((ValueError, TypeError), match=match): GradientAccumulation(**kw)
 
