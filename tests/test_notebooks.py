@@ -1,4 +1,11 @@
-"Execute every notebook in nbs/ with nbclient, in a temporary working directory (tiny settings: no env flags set)"
+"""The notebooks in nbs/ are part of the product: they are stored with their outputs (so that they read without running),
+and each test re-executes one (small settings: no ACCUM_*_FULL flag) in a temporary folder and checks that
+- every code cell that has an output in the stored copy still produces an output of the same kind (text, image): a
+  notebook whose stored outputs no longer come from its code fails;
+- nothing warns: no stderr output, no nbformat warning (cell ids), no missing-widget warning;
+- the stored copy has outputs on at least 80% of its code cells and at least one plot.
+`python nbs/execute.py` re-runs them and stores the outputs."""
+import warnings
 from pathlib import Path
 
 import pytest
@@ -8,8 +15,36 @@ nbclient = pytest.importorskip('nbclient')
 
 NBS = sorted((Path(__file__).resolve().parents[1]/'nbs').glob('*.ipynb'))
 
+def kinds(cell)->set:
+    "What a code cell showed: 'text' (streams, text/plain/html/markdown results) and 'image' (a PNG)"
+    out = set()
+    for o in cell.get('outputs', []):
+        if o.output_type == 'stream': out.add('text')
+        elif o.output_type == 'error': out.add('error')
+        else:
+            d = o.get('data', {})
+            if 'image/png' in d: out.add('image')
+            if {'text/plain', 'text/html', 'text/markdown'} & set(d) and 'image/png' not in d: out.add('text')
+    return out
+
+def stderr(cell)->str: return ''.join(o.text for o in cell.get('outputs', []) if o.output_type == 'stream' and o.name == 'stderr')
+
 @pytest.mark.parametrize('nb', NBS, ids=[p.name for p in NBS])
 def test_notebook(nb, tmp_path, cache, monkeypatch):
-    for flag in ('ACCUM_STUDY_FULL', 'ACCUM_NB_FULL'): monkeypatch.delenv(flag, raising=False)   # the tiny settings
-    book = nbformat.read(nb, as_version=4)
-    nbclient.NotebookClient(book, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}}).execute()
+    for flag in ('ACCUM_STUDY_FULL', 'ACCUM_NB_FULL'): monkeypatch.delenv(flag, raising=False)   # the small settings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')   # nbformat's MissingIDFieldWarning and the like
+        stored = nbformat.read(nb, as_version=4)
+        nbformat.validate(stored)
+    code = [c for c in stored.cells if c.cell_type == 'code']
+    assert all(c.get('id') for c in stored.cells), 'every cell has an id'
+    assert sum(bool(c.outputs) for c in code) >= 0.8*len(code), 'stored outputs on at least 80% of the code cells'
+    assert any('image' in kinds(c) for c in code), 'at least one stored plot'
+    assert not any(stderr(c) for c in code), 'the stored copy warns'
+    run = nbformat.from_dict(stored)
+    for c in run.cells:
+        if c.cell_type == 'code': c.outputs = []
+    nbclient.NotebookClient(run, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}}).execute()
+    for i,(a,b) in enumerate(zip(code, [c for c in run.cells if c.cell_type == 'code'])):
+        assert not stderr(b), f'{nb.name} code cell {i} writes to stderr (a warning?):\n{stderr(b)[:500]}'
+        assert kinds(a) <= kinds(b), f'{nb.name} code cell {i}: stored outputs {kinds(a)}, now {kinds(b)}: stale, run nbs/execute.py'
