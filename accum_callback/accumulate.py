@@ -73,7 +73,7 @@ class GradientAccumulation(Callback):
         target_bs:int|dict|callable=None, # items per optimizer step: a window closes at the first micro-batch reaching it
         n_acc:int=None, # fastai's spelling: items per optimizer step, = `target_bs` with windows carried over epochs as fastai does
         partial:str=None, # partial window at the end of an epoch: 'step' it (default), 'drop' it, or 'carry' it into the next
-        n_items:callable=None, # `f(learn)` -> how many items the micro-batch's mean loss averages over (default: batch size)
+        n_items:callable=None, # `f(learn)` -> items the micro-batch's mean loss averages over (default: a known weighted/ignore_index loss's count, else the batch size)
         skip_nonfinite:bool=True, # drop a window in which any micro-batch gave a non-finite loss
         micro_bs:int|str|None=None, # cut every loader batch into micro-batches of this many items; 'auto': the fastest that fits
         probe:bool=True, # micro_bs='auto' on a GPU: once settled, time the next smaller size too and keep the faster

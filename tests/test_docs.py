@@ -1,0 +1,66 @@
+"""The docs a newcomer reads: the README stays short (<= 15 kB) and every relative link in it and in docs/ resolves; every
+public name has a docstring and docs/api.md lists them all as the code says (regenerate: `python tests/test_docs.py`)."""
+import inspect, re, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT/'README.md', *sorted((ROOT/'docs').glob('*.md'))]
+PATCHES = ('accumulate', 'check_accumulation', 'to_fsdp', 'from_fsdp', 'fsdp_ctx')   # on fastai's Learner
+
+def test_readme_is_short():
+    assert len((ROOT/'README.md').read_bytes()) <= 15_000
+
+@pytest.mark.parametrize('doc', DOCS, ids=[p.name for p in DOCS])
+def test_relative_links_resolve(doc):
+    text = re.sub(r'```.*?```', '', doc.read_text(), flags=re.S)   # links, not code
+    links = re.findall(r'\]\(([^)#\s]+)(?:#[^)]*)?\)', text)
+    bad = [l for l in links if '://' not in l and not l.startswith('mailto:') and not (doc.parent/l).exists()]
+    assert not bad, f'{doc.name}: links that resolve to nothing: {bad}'
+
+def _public():
+    import accum_callback
+    from fastai.learner import Learner
+    out = [(n, getattr(accum_callback, n)) for n in accum_callback.__all__]
+    return out + [(f'Learner.{n}', getattr(Learner, n)) for n in PATCHES]
+
+def _doc_of(obj)->str:
+    if isinstance(obj, (tuple, dict, frozenset)): return f'`{obj!r}`' if len(repr(obj)) < 200 else f'{type(obj).__name__} of {len(obj)}'
+    return inspect.cleandoc(obj.__doc__ or '')
+
+def api_markdown()->str:
+    "docs/api.md as the code says it: every public name, its signature, its docstring and its arguments' comments"
+    from fastcore.docments import docments
+    lines = ['# API', '', 'Every public name of `accum_callback` (`from accum_callback import ...`) and what it adds to fastai\'s '
+             '`Learner`, with the signatures and docstrings of the code (generated: `python tests/test_docs.py`; '
+             '`tests/test_docs.py` fails when this page and the code disagree). In a notebook, fastai\'s `show_doc` '
+             'renders each the same way.', '']
+    for name,obj in _public():
+        lines.append(f'## `{name}`')
+        if callable(obj) and not isinstance(obj, (tuple, dict)):
+            try: sig = str(inspect.signature(obj))
+            except (TypeError, ValueError): sig = '(...)'
+            short = name.split('.')[-1]
+            lines += ['', '```python', f'{short}{sig}', '```']
+        doc = _doc_of(obj)
+        lines += ['', doc if doc else '(no docstring)']
+        if callable(obj) and not isinstance(obj, (tuple, dict)):
+            try: d = docments(obj, full=True)
+            except Exception: d = {}
+            rows = [(k, v.get('docment')) for k,v in d.items() if k != 'return' and isinstance(v, dict) and v.get('docment')]
+            if rows: lines += ['', '| argument | |', '|---|---|'] + [f'| `{k}` | {v} |' for k,v in rows]
+        lines.append('')
+    return '\n'.join(lines)
+
+def test_every_public_name_has_a_docstring():
+    missing = [n for n,o in _public() if not _doc_of(o)]
+    assert not missing, f'no docstring: {missing}'
+
+def test_api_page_is_the_code():
+    assert (ROOT/'docs'/'api.md').read_text() == api_markdown(), 'docs/api.md is stale: run `python tests/test_docs.py`'
+
+if __name__ == '__main__':
+    sys.path.insert(0, str(ROOT))
+    (ROOT/'docs'/'api.md').write_text(api_markdown())
+    print('wrote docs/api.md')
