@@ -18,7 +18,7 @@ from fastcore.basics import patch
 
 from .distributed import is_fsdp, unwrap
 from .losses import loss_items, loss_reduction
-from .micro import _cat, _slice, piece_bounds, stateful_modules
+from .micro import cat_outputs, slice_batch, piece_bounds, stateful_modules
 from .norm_layers import is_batchnorm
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
@@ -86,7 +86,7 @@ def _micro_batches(learn, n_step:int, size)->list:
         b = to_device(b, _device(learn.model))
         n = find_bs(b)
         for s,e in (piece_bounds(n, size) if size else [(0, n)]):
-            out.append(b if (s, e) == (0, n) else _slice(b, s, e))
+            out.append(b if (s, e) == (0, n) else slice_batch(b, s, e))
             if len(out) == n_step: return out
     raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
                      "pass a smaller n_step")
@@ -169,7 +169,7 @@ class _Runner:
                 items = items + n
             scale = 1. if summed else ref/float(items)
         else:
-            xb,yb = [_cat(list(z)) for z in zip(*[b[0] for b in self.batches])],[_cat(list(z)) for z in zip(*[b[1] for b in self.batches])]
+            xb,yb = [cat_outputs(list(z)) for z in zip(*[b[0] for b in self.batches])],[cat_outputs(list(z)) for z in zip(*[b[1] for b in self.batches])]
             with self._ctx(m):
                 pred = m(*xb); loss = lf(pred, *yb)
             self.trained_whole = _flat_out(pred)
@@ -189,13 +189,13 @@ class _Runner:
         m = self.fresh(); self.modes(m, bn, drop)
         with self._ctx(m): preds = [m(*xb) for xb,_ in self.batches[:2]]
         if keep: self.quiet_preds,self.quiet_whole = preds,whole
-        return _rel(_flat_out(_cat(preds)), whole)
+        return _rel(_flat_out(cat_outputs(preds)), whole)
 
     @torch.no_grad()
     def whole(self, bn:bool, drop:bool)->torch.Tensor:
         "The output of one batch of the first two micro-batches, flattened"
         m = self.fresh(); self.modes(m, bn, drop)
-        xb = [_cat(list(z)) for z in zip(*[b[0] for b in self.batches[:2]])]
+        xb = [cat_outputs(list(z)) for z in zip(*[b[0] for b in self.batches[:2]])]
         with self._ctx(m): return _flat_out(m(*xb))
 
     @torch.no_grad()
@@ -204,7 +204,7 @@ class _Runner:
         of the deterministic `outputs(False, False)` run): (error of the counts-weighted mean the Learner uses, error of
         a plain sum)"""
         lf,preds,bs = self.learn.loss_func,self.quiet_preds,self.batches[:2]
-        big = float(lf(_cat(preds), *[_cat(list(z)) for z in zip(*[b[1] for b in bs])]))
+        big = float(lf(cat_outputs(preds), *[cat_outputs(list(z)) for z in zip(*[b[1] for b in bs])]))
         ls,ns = [],[]
         for p,(xb,yb) in zip(preds, bs):
             ls.append(float(lf(p, *yb))); ns.append(float(self._count(xb, yb, p, None)))

@@ -15,7 +15,8 @@ from fastai.torch_core import find_bs
 
 from .distributed import is_ddp, is_fsdp, sum_over_ranks, unwrap
 
-__all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds']
+__all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds',
+           'slice_batch', 'cat_outputs']
 
 _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
               'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
@@ -34,21 +35,21 @@ def piece_bounds(n:int, size:int)->list:
 
 def _first_line(e:BaseException)->str: return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
-def _slice(b, s:int, e:int):
+def slice_batch(b, s:int, e:int):
     "Items `s:e` of a batch: tensors sliced along their first dimension, tuples and lists element by element"
     if isinstance(b, torch.Tensor): return b[s:e]
-    if isinstance(b, (tuple, list)): return type(b)(_slice(o, s, e) for o in b)
+    if isinstance(b, (tuple, list)): return type(b)(slice_batch(o, s, e) for o in b)
     raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
                     "only tensors and tuples/lists of them (give the loader micro-batches instead, with `n_step`)")
 
-def _cat(outs:list):
+def cat_outputs(outs:list):
     "The model outputs of consecutive pieces of a batch joined along the first dimension (tensors, tuples, lists, dicts)"
     o = outs[0]
     if isinstance(o, torch.Tensor):
         if o.ndim == 0: raise TypeError("the model returns a 0-d tensor: its output cannot be joined over micro-batches")
         return torch.cat(outs)
-    if isinstance(o, (tuple, list)): return type(o)(_cat(list(z)) for z in zip(*outs))
-    if isinstance(o, dict): return type(o)((k, _cat([d[k] for d in outs])) for k in o)
+    if isinstance(o, (tuple, list)): return type(o)(cat_outputs(list(z)) for z in zip(*outs))
+    if isinstance(o, dict): return type(o)((k, cat_outputs([d[k] for d in outs])) for k in o)
     if o is None: return None
     raise TypeError(f"the model returns a {type(o).__name__}: only tensors, tuples, lists and dicts of them can be joined "
                     "over micro-batches")
@@ -201,7 +202,7 @@ class MicroBatches:
                 left = n-self.start
                 self.end = self.start + -(-left//max(1, self._pieces(left, self._nom)))
                 self.last_chunk = self.end == n
-                yield _slice(b, self.start, self.end) if (self.start, self.end) != (0, n) else b
+                yield slice_batch(b, self.start, self.end) if (self.start, self.end) != (0, n) else b
                 if self.retry: self.retry = False   # the same samples again, at the size in force now
                 else: self.start,self._nom = self.end,(None if self._nom is None else max(self._nom - mb.size, 1))
             if mb.rows: mb.rows.end()
@@ -495,9 +496,9 @@ class MicroBatcher:
             outs = []
             for s,e in bounds:
                 if rows: rows.enter(s, e)
-                outs.append(fwd(*_slice(args, s, e), **kw))
+                outs.append(fwd(*slice_batch(args, s, e), **kw))
                 if rows: rows.leave(s, e)
-            out = _cat(outs)
+            out = cat_outputs(outs)
         except BaseException:
             if rows: rows.n = None
             raise
