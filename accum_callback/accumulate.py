@@ -106,8 +106,8 @@ class GradientAccumulation(Callback):
         self.partial,self.n_items,self.skip_nonfinite,self.probe = partial,n_items,skip_nonfinite,probe
         self.sharded_grads,self.gathered_params = sharded_grads,gathered_params
         # micro_bs: the loader's batches cut into micro-batches (`accum_callback.micro`); its size in `micro_bs`
-        self.micro = (MicroBatcher(micro_bs, probe, self._window_state, self._restore_window, clock=lambda: self._clock(),
-                                   on_gpu=lambda: self._probe_here()) if micro_bs is not None else None)
+        self.micro = (MicroBatcher(micro_bs, probe, self._window_state, self._restore_window, clock=self._clock,
+                                   on_gpu=self._probe_here) if micro_bs is not None else None)   # bound methods: it pickles
         self._decided,self._checked_sync_bn,self._warned_divide,self._new_fit,self._listeners = 0,False,False,False,[]
         self.window = Window()
         self._reset_logs()

@@ -402,3 +402,12 @@ def test_a_step_cancelled_inside_a_window_keeps_the_window():
     got = make_learner(ds, 4, cbs=[CancelStepAt({3}), GradientAccumulation(n_step=4)], dtype=F64)
     fit_quiet(got, 1)
     assert got.gradient_accumulation.n_step_cancelled == 1 and got.gradient_accumulation.steps == 2
+
+def test_a_learner_with_micro_bs_pickles_and_trains_after():
+    "fastai's `export` uses cloudpickle, but plain pickle (and `copy.deepcopy`) must work too: no lambda inside"
+    import pickle
+    learn = run(make_data(32), 8, [GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(5), epochs=1)
+    learn.loss_func = F.mse_loss
+    again = pickle.loads(pickle.dumps(learn))
+    assert again.gradient_accumulation.micro_bs == 4 and again.gradient_accumulation.micro.clock.__self__ is again.gradient_accumulation
+    fit_quiet(again, 1)
