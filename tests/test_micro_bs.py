@@ -411,3 +411,16 @@ def test_a_learner_with_micro_bs_pickles_and_trains_after():
     again = pickle.loads(pickle.dumps(learn))
     assert again.gradient_accumulation.micro_bs == 4 and again.gradient_accumulation.micro.clock.__self__ is again.gradient_accumulation
     fit_quiet(again, 1)
+
+def test_language_model_inference_cut_under_auto_keeps_its_rows_state(lm_learner):
+    """A validation batch of the AWD_LSTM language model that runs out of memory (above 3 rows, simulated) is cut in
+    pieces that each run with their own rows of the carried hidden state: the validation loss equals the uncut run's"""
+    def oom(m, inp):
+        if not torch.is_grad_enabled() and len(inp[0]) > 3: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+    ref,got = lm_learner(),lm_learner([GradientAccumulation(micro_bs='auto')])
+    got.model[0].register_forward_pre_hook(oom)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); fit_quiet(ref, 1); fit_quiet(got, 1)
+    assert got.gradient_accumulation.inference_bs == 2 and got.gradient_accumulation.micro_bs == 8
+    assert abs(got.recorder.values[-1][1] - ref.recorder.values[-1][1]) <= 1e-6
+    with got.no_bar(), ref.no_bar(): assert abs(got.validate()[0] - ref.validate()[0]) <= 1e-6
