@@ -102,7 +102,8 @@ class GradientAccumulation(Callback):
         if n_items is not None and not callable(n_items):
             raise TypeError(f"`n_items` must be a function `f(learn) -> int` or None, got {type(n_items).__name__}")
         if not isinstance(skip_nonfinite, bool): raise TypeError(f"`skip_nonfinite` must be True or False, got {skip_nonfinite!r}")
-        self.n_step_sched,self.target_bs_sched = as_window_schedule(n_step, 'n_step'),as_window_schedule(target_bs, 'target_bs')
+        self.n_step_sched = as_window_schedule(n_step, 'n_step')
+        self.target_bs_sched = as_window_schedule(target_bs, 'target_bs' if n_acc is None else 'n_acc')
         self.partial,self.n_items,self.skip_nonfinite,self.probe = partial,n_items,skip_nonfinite,probe
         self.sharded_grads,self.gathered_params = sharded_grads,gathered_params
         # micro_bs: the loader's batches cut into micro-batches (`accum_callback.micro`); its size in `micro_bs`

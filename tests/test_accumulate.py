@@ -16,7 +16,6 @@ TOL = 1e-6   # relative error of every step's gradient against the one-large-bat
 
 # -- construction ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('kw,exc,match', [
-    (dict(), ValueError, 'exactly one'),
     (dict(n_step=2, target_bs=8), ValueError, 'exactly one'),
     (dict(n_step=0), ValueError, 'n_step'),
     (dict(n_step=-3), ValueError, 'n_step'),
@@ -26,7 +25,10 @@ TOL = 1e-6   # relative error of every step's gradient against the one-large-bat
     (dict(target_bs=0), ValueError, 'target_bs'),
     (dict(target_bs=1.5), TypeError, 'target_bs'),
     (dict(n_step=2, partial='last'), ValueError, 'partial'),
-    (dict(n_step=2, partial=None), ValueError, 'partial'),
+    (dict(n_step=2, partial=3), ValueError, 'partial'),
+    (dict(n_acc=0), ValueError, 'n_acc'),
+    (dict(n_acc=2.5), TypeError, 'n_acc'),
+    (dict(n_acc=8, n_step=2), ValueError, 'exactly one'),
     (dict(n_step=2, n_items=3), TypeError, 'n_items'),
     (dict(n_step=2, skip_nonfinite='yes'), TypeError, 'skip_nonfinite'),
 ])
