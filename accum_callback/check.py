@@ -18,7 +18,7 @@ from fastcore.basics import patch
 
 from .distributed import is_fsdp, unwrap
 from .losses import loss_items, loss_reduction
-from .micro import cat_outputs, slice_batch, piece_bounds, stateful_modules
+from .micro import cat_outputs, is_out_of_memory, slice_batch, piece_bounds, stateful_modules
 from .norm_layers import is_batchnorm
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
@@ -277,10 +277,16 @@ def _check(learn, batches, model, ga, bna, n_step)->AccumulationReport:
     acc,fa = r.grads(True)
     ref = 'device'
     try: big,fb = r.grads(False)
-    except torch.OutOfMemoryError:   # the big batch does not fit where the micro-batches do: compute it on the CPU
+    except Exception as e:   # the big batch does not fit where the micro-batches do: compute it on the CPU
+        if not is_out_of_memory(e): raise
         r.model0,r.model = copy.deepcopy(r.model0).cpu(),None
         r.batches = [to_device(b, 'cpu') for b in r.batches]; r.buffers = []; r.stateful = True
-        big,fb = r.grads(False); big = big.to(acc.device); ref = 'cpu'
+        try: big,fb = r.grads(False)
+        except Exception as e:
+            if not is_out_of_memory(e): raise
+            raise RuntimeError(f"check_accumulation: one batch of the {sum(sizes)} items of n_step={n_step} micro-batches "
+                               "runs out of memory on the device and on the CPU: pass a smaller `n_step`") from None
+        big = big.to(acc.device); ref = 'cpu'
     err = _rel(acc, big)
     rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(r.dtype).replace('torch.', ''),
                              n_step=n_step, micro_sizes=sizes, worst=_worst(r.names, r.sizes, acc, big, tol), reference=ref)

@@ -170,3 +170,12 @@ def test_mixed_precision_is_checked_in_its_dtype():
     assert r.dtype == 'bfloat16' and r.tol == 4e-2 and r.exact and r.rel_error > 1e-5   # really computed in bf16
     learn = learner(model=Net(bn=True)); learn.add_cb(MixedPrecision(amp_mode='bf16'))
     assert learn.check_accumulation().causes == ('batchnorm',)
+
+def test_a_big_batch_that_fits_nowhere_is_a_clear_error():
+    "The micro-batches fit, one batch of all of them runs out of memory on the device and on the CPU: an error naming n_step"
+    class Small(nn.Module):
+        def forward(self, x):
+            if len(x) > 4: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+            return x
+    model = nn.Sequential(Small(), MLP(n_out=3))
+    with pytest.raises(RuntimeError, match=r'16 items of n_step=4.*smaller `n_step`'): learner(model=model).check_accumulation()
