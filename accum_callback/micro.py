@@ -13,7 +13,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs
 
-from .distributed import is_ddp, is_fsdp, sum_over_ranks, unwrap
+from .distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks, unwrap
 
 __all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds',
            'slice_batch', 'cat_outputs']
@@ -26,11 +26,18 @@ def is_out_of_memory(e:BaseException)->bool:
     if isinstance(e, torch.OutOfMemoryError): return True
     return isinstance(e, RuntimeError) and any(t in str(e) for t in _OOM_TEXTS)
 
+def _cut(s:int, n:int, size:int, nom=None)->tuple:
+    """The end of the piece that starts at item `s` of `n`, and the `nom` for the next piece: the items left are cut into
+    `ceil(left/size)` near-equal pieces, counted on `nom` instead of the items left where given (under DDP: the loader's
+    batch size less `size` per piece cut, so that a rank's short batch is cut into as many pieces as the others')"""
+    left = n-s
+    e = s + -(-left//max(1, -(-(left if nom is None else nom)//size)))
+    return e,(None if nom is None else max(nom-size, 1))
+
 def piece_bounds(n:int, size:int)->list:
     "`(start, end)` of the near-equal pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size`"
     out,s = [],0
-    while s < n:
-        left = n-s; e = s + -(-left//-(-left//size)); out.append((s, e)); s = e
+    while s < n: e,_ = _cut(s, n, size); out.append((s, e)); s = e
     return out
 
 def _first_line(e:BaseException)->str: return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
@@ -171,7 +178,6 @@ class MicroBatches:
         n,bs,nb = getattr(self.dl, 'n', None),self.dl.bs,len(self.dl)
         if n is None or not bs: return [bs or 1]*nb
         return [min(bs, n - i*bs) for i in range(nb)]
-    def _pieces(self, left:int, nom)->int: return -(-(left if nom is None else nom)//self.mb.size)
     def __len__(self)->int:
         "Micro-batches this epoch at the size in force (fastai's `n_iter` and progress bar read it)"
         m = self.mb.size
@@ -181,30 +187,24 @@ class MicroBatches:
         m,sizes = self.mb.size,self._sizes()
         rest = sum(-(-b//m) for b in sizes[self.batch_index+1:]) if m else len(sizes)-self.batch_index-1
         if self.batch_index < 0: return rest
-        left = self.batch_n - self.start
-        if not left: return rest
-        if self._nom is None: return rest + -(-left//m)
-        k,nom,s = 0,self._nom,self.start
-        while s < self.batch_n: s += -(-(self.batch_n - s)//max(1, -(-nom//m))); nom = max(nom-m, 1); k += 1
+        k,s,nom = 0,self.start,self._nom
+        while s < self.batch_n: s,nom = _cut(s, self.batch_n, m, nom); k += 1
         return rest + k
     def __iter__(self):
         nb,bs,mb = len(self.dl),self.dl.bs,self.mb
         for bi,b in enumerate(self.dl):
             n = find_bs(b)
             self.batch_index,self.batch_n,self.start,self.last_batch = bi,n,0,bi == nb-1
-            # The pieces left are counted on the items left; under DDP on the loader's batch size less `micro_bs` per
-            # piece cut, so that a rank's short last batch is cut into as many pieces as the others' (fastai's
-            # Recorder gathers every one)
-            self._nom = bs if (mb.ranks_cut_alike() and bs) else None
+            # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
+            self._nom = bs if (is_distributed(mb.learn.model) and bs) else None
             self.serial = mb.batch_started(n)
             if mb.rows: mb.rows.begin(n)   # a stateful model: the state this batch starts from, per row
             while self.start < n:
-                left = n-self.start
-                self.end = self.start + -(-left//max(1, self._pieces(left, self._nom)))
+                self.end,nom = _cut(self.start, n, mb.size, self._nom)
                 self.last_chunk = self.end == n
                 yield slice_batch(b, self.start, self.end) if (self.start, self.end) != (0, n) else b
                 if self.retry: self.retry = False   # the same samples again, at the size in force now
-                else: self.start,self._nom = self.end,(None if self._nom is None else max(self._nom - mb.size, 1))
+                else: self.start,self._nom = self.end,nom
             if mb.rows: mb.rows.end()
             mb.batch_done(n)
         self.batch_index = nb
@@ -256,7 +256,7 @@ class MicroBatcher:
         self.window_state,self.restore_window,self.clock,self.on_gpu = window_state,restore_window,clock,on_gpu
         self.learn,self.loader,self.rows,self.undo_listeners = None,None,RowStates([]),[]
         self._probe,self._serial,self._state = None,0,None
-        self.agreed,self.snap,self._warned_infer = False,None,False
+        self.agreed,self.snap = False,None
 
     @property
     def auto(self)->bool: return self.mode == 'auto'
@@ -276,15 +276,17 @@ class MicroBatcher:
         self.rows,self._state = RowStates(ok),None
         if self.auto:
             if self.size is None: self.size = getattr(learn.dls.train, 'bs', None)   # or what an earlier fit found
-            self._install()
+            self._wrap_one_batch()
         if not any(isinstance(cb, _CutLoader) for cb in learn.cbs): learn.add_cb(_CutLoader(self))
-    def _install(self):
+    def _wrap_one_batch(self):
         if not isinstance(self.learn.__dict__.get('one_batch'), _OneBatch): self.learn.one_batch = _OneBatch(self.learn, self)
+    def _unwrap_one_batch(self):
+        if self.learn is not None and isinstance(self.learn.__dict__.get('one_batch'), _OneBatch): del self.learn.__dict__['one_batch']
     def unhook(self):
         "The fit or inference is over (or left by an exception): `learn.one_batch` and `learn.dl` are fastai's again"
         learn = self.learn
         if learn is None: return
-        if isinstance(learn.__dict__.get('one_batch'), _OneBatch): del learn.__dict__['one_batch']
+        self._unwrap_one_batch()
         self.end_train()
         learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, _CutLoader)])
         self._state,self.snap = None,None
@@ -299,16 +301,11 @@ class MicroBatcher:
         "`validate`/`get_preds`/`predict`/`tta` under 'auto': batches that run out of memory are cut"
         if not self.auto: return
         self.learn = learn
-        if not isinstance(learn.__dict__.get('one_batch'), _OneBatch): self.learn.one_batch = _OneBatch(learn, self)
-    def end_inference(self):
-        learn = self.learn
-        if learn is not None and isinstance(learn.__dict__.get('one_batch'), _OneBatch): del learn.__dict__['one_batch']
+        self._wrap_one_batch()
+    def end_inference(self): self._unwrap_one_batch()
 
     # -- per loader batch / micro-batch -----------------------------------------------------------------------------------
     def ranks_agree(self)->bool: "'auto' under DDP: the ranks agree after every micro-batch"; return self.auto and is_ddp(self.learn.model)
-    def ranks_cut_alike(self)->bool:
-        "Every rank must cut its batches into as many pieces (DDP: fastai's Recorder gathers each; FSDP2: its collectives)"
-        return is_ddp(self.learn.model) or is_fsdp(self.learn.model)
     def batch_started(self, n:int)->int:
         self._serial += 1
         if self.size is None: self.size = n
@@ -317,7 +314,7 @@ class MicroBatcher:
         return self._serial
     def batch_done(self, n:int):
         "'auto' on a GPU, outside DDP: once a size has run a loader batch, time it and the next smaller; keep the faster"
-        if not (self.auto and self.probe_on) or self.ranks_cut_alike() or not self.on_gpu(): return
+        if not (self.auto and self.probe_on) or is_distributed(self.learn.model) or not self.on_gpu(): return
         p = self._probe
         if p is None: self._probe = dict(stage='time_a' if self.size >= 2 else 'done', size=self.size); return
         if p['stage'] == 'time_a':
