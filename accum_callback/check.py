@@ -6,10 +6,9 @@ callbacks) is left exactly as it was."""
 from __future__ import annotations
 import copy, math, random
 from dataclasses import dataclass, field
-from numbers import Integral
 
 import numpy as np
-import torch, torch.nn as nn
+import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from fastai.callback.fp16 import MixedPrecision
 from fastai.learner import Learner
@@ -20,6 +19,7 @@ from .distributed import is_fsdp, unwrap
 from .losses import loss_items, loss_reduction
 from .micro import cat_outputs, is_out_of_memory, slice_batch, piece_bounds, stateful_modules
 from .norm_layers import is_batchnorm
+from .schedule import whole_number
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
 
@@ -108,7 +108,7 @@ class _Runner:
     def __init__(self, learn, batches, model, ga, bna):
         self.learn,self.batches,self.ga,self.bna = learn,[_split_xy(learn, b) for b in batches],ga,bna
         self.model0 = model
-        self.stateful = any(stateful_modules(model)[0]) or any(stateful_modules(model)[1])
+        self.stateful = any(map(any, stateful_modules(model)))   # splittable or not: its state is copied per pass
         self.model = copy.deepcopy(model)
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
@@ -234,11 +234,10 @@ def _rel(a, b)->float:
     return d/max(n, 1e-30) if math.isfinite(d) and math.isfinite(n) else math.inf
 
 # -- the check ------------------------------------------------------------------------------------------------------------------
-def _whole_n_step(n_step):
-    if isinstance(n_step, bool) or not isinstance(n_step, Integral):
-        raise ValueError(f"`n_step` must be a whole number >= 1 (micro-batches to accumulate), got {n_step!r}")
-    if n_step < 1: raise ValueError(f"`n_step` must be >= 1 (micro-batches to accumulate), got {n_step}")
-    return int(n_step)
+def _whole_n_step(n_step)->int:
+    "`n_step` as a whole number >= 1, or a ValueError naming it (bad input to a check is a value error, whatever its type)"
+    try: return whole_number(n_step, 'n_step')
+    except TypeError as e: raise ValueError(str(e)) from None
 
 def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     """Compare the gradient `learn` accumulates over `n_step` micro-batches of its training loader with the gradient of
@@ -324,7 +323,7 @@ def check_accumulation(self:Learner,
     batch of exactly those samples? If not, why (`AccumulationReport.causes`)? Works on a copy: changes nothing"""
     return _run_check(self, n_step)
 
-def check_accumulation(
+def check_accumulation(   # the module-level name (the @patch above put the method on Learner)
     learn:Learner, # the Learner to check, with its GradientAccumulation / BatchNormAccumulation / MixedPrecision
     n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4)
 )->AccumulationReport:

@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
-           'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_unsharded_grad_bytes', 'held_grad_bytes',
+           'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
            'gloo_distributed_dl']
@@ -96,10 +96,6 @@ def set_resharding(model, forward:bool, backward:bool, now:bool=False):
 def fsdp_group_count(model)->int:
     "FSDP2 parameter groups of `model`: each reduce-scatters once in a synchronised backward (a round)"
     return sum(len(getattr(m._get_fsdp_state(), '_fsdp_param_groups', None) or []) for m in fsdp_modules(model))
-
-def held_unsharded_grad_bytes(model)->int:
-    "Bytes of unsharded gradient FSDP2 holds on this rank now (between backward passes without sync)"
-    return held_grad_bytes(model)[0]
 
 def held_grad_bytes(model)->tuple[int,int]:
     "(unsharded, sharded) gradient bytes FSDP2's parameters hold on this rank now"

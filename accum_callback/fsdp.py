@@ -9,6 +9,7 @@ import contextlib, copy, functools, os, warnings
 
 import torch, torch.nn as nn
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 from fastai.learner import Learner
 from fastcore.basics import patch
 
@@ -131,11 +132,6 @@ def _full(t):
     "A DTensor gathered whole on the CPU (a collective), anything else as it is"
     return t.full_tensor().cpu() if hasattr(t, 'full_tensor') else t
 
-def _map(f, o):
-    if isinstance(o, dict): return type(o)((k, _map(f, v)) for k,v in o.items())
-    if isinstance(o, (list, tuple)): return type(o)(_map(f, v) for v in o)
-    return f(o)
-
 def _opt_states(opt)->list:
     "(parameter, state dict) pairs of a fastai `Optimizer` or `OptimWrapper`"
     inner = getattr(opt, 'opt', None)
@@ -149,7 +145,7 @@ def _save(self, file, with_opt=True, pickle_protocol=2, **kwargs):
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     state = fsdp_full_state_dict(self.model)   # every rank takes part in the gathers
     if with_opt and getattr(self, 'opt', None) is not None:
-        state = {'model': state, 'opt': _map(_full, self.opt.state_dict())}
+        state = {'model': state, 'opt': tree_map(_full, self.opt.state_dict())}
     if dist.get_rank() == 0: torch.save(state, file, pickle_protocol=pickle_protocol, **kwargs)
     dist.barrier()
     return file

@@ -3,6 +3,7 @@ weight sum or the non-ignored count, not over the batch: `loss_items` gives that
 weighs each micro-batch by it when the user gives no `n_items`; `loss_reduction` tells a loss that sums (accumulated as
 the sum it is). An unknown loss gives None: the batch size rule stands, and `check_accumulation` tells when it is off."""
 from __future__ import annotations
+import functools
 import torch, torch.nn as nn
 
 __all__ = ['loss_reduction', 'loss_items', 'SUM_LOSSES']
@@ -17,6 +18,7 @@ _CE = (nn.CrossEntropyLoss, nn.NLLLoss)
 SUM_LOSSES = _CE + (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
                     nn.SoftMarginLoss, nn.MultiLabelSoftMarginLoss, nn.PoissonNLLLoss, nn.GaussianNLLLoss)
 
+@functools.lru_cache(maxsize=None)
 def _fastai_sum_losses():
     try: from fastai.losses import FocalLoss, LabelSmoothingCrossEntropy
     except ImportError: return ()

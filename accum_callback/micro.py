@@ -5,7 +5,7 @@ state of models that carry it from one batch to the next.
 `GradientAccumulation` owns one `MicroBatcher` and calls it from its events; the window (what a step is) stays in
 `accumulate.py`, what the ranks agree on in `distributed.py`."""
 from __future__ import annotations
-import gc, random, time, warnings
+import gc, random, warnings
 from numbers import Integral
 
 import torch, torch.nn as nn

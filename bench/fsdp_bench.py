@@ -59,7 +59,7 @@ def run(rank, world, n_step, bs, steps, hidden, repeats, seed=0):
                        cbs=[NoValid(), HeldGrads(), GradientAccumulation(n_step, **kw)])
     learns = {k: learner(kw) for k,kw in MODES.items()}
     times = {k: [] for k in MODES}
-    counts,params = {},{}
+    counts = {}
     for r in range(repeats+1):   # round 0 warms up
         for k in (list(MODES)[r % 3:] + list(MODES)[:r % 3]):
             learn = learns[k]

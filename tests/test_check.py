@@ -1,12 +1,12 @@
 """Issue 21: losses whose mean is not over the batch, accumulated exactly by default; and `learn.check_accumulation()`,
 which says whether accumulation is exact on the user's own Learner and, if not, why (each cause found by an experiment)."""
-import copy, random, warnings
+import copy, random
 import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
-from fastai.losses import CrossEntropyLossFlat, FocalLossFlat, LabelSmoothingCrossEntropyFlat, MSELossFlat
+from fastai.losses import CrossEntropyLossFlat, FocalLossFlat, LabelSmoothingCrossEntropyFlat
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
-from helpers import WindowSpy, fit_quiet, make_data, make_learner, rel_err
+from helpers import WindowSpy, fit_quiet, make_data, make_learner
 
 F64 = torch.float64
 W = torch.tensor([1., 5., 10.], dtype=F64)
@@ -48,8 +48,6 @@ def test_weighted_ignored_and_summed_losses_are_exact_by_default(name):
     else: assert max(spy.errs) <= (1e-5 if fastai_loss else 1e-6), spy.errs
 
 # == learn.check_accumulation() ===========================================================================================
-from fastai.callback.core import Callback
-from fastai.learner import Learner
 from accum_callback import check_accumulation, CHECK_CAUSES, AccumulationReport
 from helpers import MLP
 
