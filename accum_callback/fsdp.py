@@ -5,7 +5,7 @@ and fastai's `save`/`load`/`export` that write and read the whole model, not one
 `accumulate.py` and `distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
 optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the checkpoints."""
 from __future__ import annotations
-import contextlib, copy, functools, os, warnings
+import contextlib, copy, functools, gc, os, warnings
 
 import torch, torch.nn as nn
 import torch.distributed as dist
@@ -114,7 +114,10 @@ def from_fsdp(self:Learner,
     st.dl_patch.close()
     self.fsdp_state = None
     self.create_opt()
-    if st.own_group: dist.destroy_process_group()
+    if st.own_group:
+        del st, sd, obj
+        gc.collect()   # the sharded modules (in reference cycles) hold the group: free them before it goes
+        dist.destroy_process_group()
     return self
 
 @patch

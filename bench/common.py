@@ -154,7 +154,9 @@ def _gloo_entry(rank, world, port, threads, out, fn, args):
     try:
         res = fn(rank, world, *args)
         if rank == 0: torch.save(res, out)
-    finally: dist.destroy_process_group()
+    finally:
+        import gc; gc.collect()   # DDP/FSDP wrappers in a Learner's reference cycles hold the group: free them first
+        dist.destroy_process_group()
 
 def _context():
     "Fork where the OS can (no second import, and any module-level function can run), else spawn"

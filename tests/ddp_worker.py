@@ -2,7 +2,7 @@
 
 Every scenario returns, per rank: the final weights, the optimizer steps, each step's window (the rank's own samples),
 and the gradient all-reduces each micro-batch made (counted by a DDP communication hook)."""
-import contextlib, datetime, os, tempfile, time, traceback, warnings
+import contextlib, datetime, gc, os, sys, tempfile, time, traceback, warnings
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
@@ -32,7 +32,16 @@ def _entry(rank, world_size, port, timeout, d, fn, kwargs):
     # A short timeout: a rank that skips a collective the other makes fails the test instead of hanging it
     dist.init_process_group('gloo', rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
     try: torch.save(fn(rank, world_size, **kwargs), os.path.join(d, f'{rank}.pt'))
-    finally: dist.destroy_process_group()
+    finally:
+        # A Learner sits in reference cycles (its callbacks point back to it), so the DDP/FSDP wrappers it made (and
+        # Accelerate's list of prepared models) hold the process group until the cyclic collector runs, possibly only
+        # at interpreter shutdown, where gloo's worker threads then abort the process (SIGABRT, "terminate called
+        # without an active exception", seen once in CI). Collect them now, while the interpreter is whole.
+        gc.collect()
+        dist.destroy_process_group()
+    # The result is on disk and the group is gone: leave without the interpreter's teardown (nothing is left to tear)
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 
 # -- data -----------------------------------------------------------------------------------------------------------
 def make_data(n, n_in=5, n_out=3, seed=0):
