@@ -31,7 +31,9 @@ def _entry(rank, world_size, port, timeout, d, fn, kwargs):
     torch.set_num_threads(1)
     # A short timeout: a rank that skips a collective the other makes fails the test instead of hanging it
     dist.init_process_group('gloo', rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-    try: torch.save(fn(rank, world_size, **kwargs), os.path.join(d, f'{rank}.pt'))
+    try:
+        torch.save(fn(rank, world_size, **kwargs), os.path.join(d, f'{rank}.pt'))
+        dist.barrier()   # neither rank tears its side down while the other may still be talking to it
     finally:
         # A Learner sits in reference cycles (its callbacks point back to it), so the DDP/FSDP wrappers it made (and
         # Accelerate's list of prepared models) hold the process group until the cyclic collector runs, possibly only
