@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 from numbers import Real
 
-import torch, torch.nn as nn
+import torch
 from fastai.callback.core import Callback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastcore.basics import store_attr

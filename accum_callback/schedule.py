@@ -2,7 +2,7 @@
 from __future__ import annotations
 import math
 from collections.abc import Mapping
-from numbers import Integral, Real
+from numbers import Integral
 
 __all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'whole_number']
 
