@@ -4,7 +4,7 @@ an experiment that switches the suspect off and sees the difference vanish, neve
 check works on a copy of the model: the Learner (weights, buffers, optimizer, RNG states, gradients, train/eval mode,
 callbacks) is left exactly as it was."""
 from __future__ import annotations
-import copy, math, random
+import contextlib, math, random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +17,7 @@ from fastcore.basics import patch
 
 from .distributed import is_fsdp, unwrap
 from .losses import loss_items, loss_reduction
-from .micro import cat_outputs, is_out_of_memory, slice_batch, piece_bounds, stateful_modules
+from .micro import RowStates, cat_outputs, copy_module, is_out_of_memory, slice_batch, piece_bounds, stateful_modules
 from .norm_layers import is_batchnorm
 from .schedule import whole_number
 
@@ -78,20 +78,50 @@ class AccumulationReport:
     __repr__ = __str__
 
 # -- taking the micro-batches ----------------------------------------------------------------------------------------------
-def _micro_batches(learn, n_step:int, size)->list:
-    "The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one"
+def _micro_batches(learn, n_step:int, size)->tuple[list,list]:
+    """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, and
+    where each comes from: `(rows start, rows end, loader batch size)`"""
     dl = learn.dls.train.new(shuffle=False, drop_last=False) if hasattr(learn.dls.train, 'new') else learn.dls.train
-    out = []
+    out,where = [],[]
     for b in dl:
         b = to_device(b, _device(learn.model))
         n = find_bs(b)
         for s,e in (piece_bounds(n, size) if size else [(0, n)]):
-            out.append(b if (s, e) == (0, n) else slice_batch(b, s, e))
-            if len(out) == n_step: return out
+            out.append(b if (s, e) == (0, n) else slice_batch(b, s, e)); where.append((s, e, n))
+            if len(out) == n_step: return out,where
     raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
                      "pass a smaller n_step")
 
 def _device(model): return next(iter(model.parameters()), torch.empty(0)).device
+
+def _replayed(learn)->list:
+    """The Learner's callbacks that shape what the loss sees in a training step (`after_pred`: fastai's RNNCallback keeps
+    the output the loss takes, a wrapper picks a model's logits; `after_loss`: RNNRegularizer's AR/TAR terms), in their
+    order. Not ours, not mixed precision (the check runs autocast itself), not fastai's own GradientAccumulation."""
+    from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
+    return [cb for cb in learn.cbs.sorted('order')
+            if not isinstance(cb, (MixedPrecision, FastaiGradientAccumulation)) and not type(cb).__module__.startswith('accum_callback')
+            and any(callable(getattr(type(cb), e, None)) for e in ('after_pred', 'after_loss'))]
+
+_STEP_KEYS = ('xb', 'yb', 'pred', 'loss', 'loss_grad', 'training')
+
+@contextlib.contextmanager
+def _sandbox(learn, cbs:list):
+    "Whatever replaying `cbs`' events sets on the Learner (its step's attributes) and on the callbacks is put back after"
+    saved = {k: learn.__dict__[k] for k in _STEP_KEYS if k in learn.__dict__}
+    states = [(cb, dict(cb.__dict__)) for cb in cbs]
+    try: yield
+    finally:
+        for k in _STEP_KEYS: learn.__dict__.pop(k, None)
+        learn.__dict__.update(saved)
+        for cb,d in states: cb.__dict__.clear(); cb.__dict__.update(d)
+
+def _replay(learn, cbs:list, event:str):
+    for cb in cbs:
+        try: cb(event)
+        except Exception as e:
+            raise RuntimeError(f"check_accumulation: replaying `{type(cb).__name__}.{event}` (what training runs between "
+                               f"the model and the backward) on the check's copy failed: {e}") from e
 
 def _split_xy(learn, b):
     i = getattr(learn.dls, 'n_inp', 1 if len(b) == 1 else len(b)-1)
@@ -105,11 +135,18 @@ class _View:
 # -- the experiments ---------------------------------------------------------------------------------------------------------
 class _Runner:
     "Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches"
-    def __init__(self, learn, batches, model, ga, bna):
+    def __init__(self, learn, batches, model, ga, bna, where=None):
         self.learn,self.batches,self.ga,self.bna = learn,[_split_xy(learn, b) for b in batches],ga,bna
-        self.model0 = model
+        self.model0,self.replay = model,_replayed(learn)
         self.stateful = any(map(any, stateful_modules(model)))   # splittable or not: its state is copied per pass
-        self.model = copy.deepcopy(model)
+        # pieces of loader batches on a model with per-row state: each starts from its own rows, as under micro_bs
+        self.where = where or [(0, find_bs(b), find_bs(b)) for b in batches]
+        self.cut_rows = self.stateful and any((s, e) != (0, n) for s,e,n in self.where)
+        # the output experiments' micro-batches: the first two (enough to see a layer mix samples), or on a model with
+        # per-row state cut in pieces, up to the first piece of the second loader batch (where its state carries over)
+        starts = [i for i,(s,_,_) in enumerate(self.where) if s == 0 and i > 0]
+        self.exp = list(range(starts[0]+1 if self.cut_rows and starts else min(2, len(self.batches))))
+        self.model = copy_module(model)
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
@@ -121,7 +158,7 @@ class _Runner:
 
     def fresh(self):
         "The copy as the Learner's model is now (buffers, and any state a stateful model carries), the RNG as it was"
-        if self.stateful: self.model = copy.deepcopy(self.model0)
+        if self.stateful: self.model = copy_module(self.model0)
         else:
             with torch.no_grad():
                 for b,v in self.buffers: b.copy_(v)
@@ -142,6 +179,42 @@ class _Runner:
         dev = _device(m).type
         return torch.autocast(dev, dtype=self.autocast) if self.autocast is not None else torch.autocast(dev, enabled=False)
 
+    def _forward(self, m, xb, yb, loss:bool=True):
+        """(raw output, prediction, loss) as the Learner's training step computes them: the model's output through the
+        callbacks' `after_pred`, the loss through their `after_loss` (see `_replayed`)"""
+        lf = self.learn.loss_func
+        with self._ctx(m):
+            raw = m(*xb)
+            if not self.replay: return raw,raw,(lf(raw, *yb) if loss else None)
+        L = self.learn
+        with _sandbox(L, self.replay):
+            pred = self._pred(raw, xb, yb)
+            if not loss: return raw,pred,None
+            with self._ctx(m): L.loss_grad = lf(pred, *yb)
+            L.loss = L.loss_grad.clone()
+            _replay(L, self.replay, 'after_loss')
+            return raw,pred,L.loss_grad
+
+    def _pred(self, raw, xb, yb):
+        "The model's output `raw` through the callbacks' `after_pred` (inside `_sandbox`)"
+        L = self.learn
+        L.xb,L.yb,L.pred,L.training = xb,yb,raw,True
+        _replay(L, self.replay, 'after_pred')
+        return L.pred
+
+    def _pieces(self, m, idxs):
+        "Yield the micro-batches `idxs` as `(xb, yb)`; a model with per-row state starts each piece from its own rows"
+        rows = RowStates(stateful_modules(m)[0] if self.cut_rows else [])
+        for i in idxs:
+            s,e,n = self.where[i]
+            if rows:
+                if s == 0 or rows.n is None: rows.begin(n)
+                rows.enter(s, e)
+            yield self.batches[i]
+            if rows:
+                rows.leave(s, e)
+                if e == n: rows.end()
+
     def _count(self, xb, yb, pred, loss):
         ga,learn = self.ga,self.learn
         if ga is not None and ga.n_items is not None: n = ga.n_items(_View(learn, xb=xb, yb=yb, pred=pred, loss=loss))
@@ -157,10 +230,9 @@ class _Runner:
         if accumulate:
             items,ref = 0.,None
             self.trained_parts = []
-            for xb,yb in self.batches:
-                with self._ctx(m):
-                    pred = m(*xb); loss = lf(pred, *yb)
-                self.trained_parts.append(_flat_out(pred))
+            for xb,yb in self._pieces(m, range(len(self.batches))):
+                raw,pred,loss = self._forward(m, xb, yb)
+                self.trained_parts.append(_flat_out(raw))
                 n = self._count(xb, yb, pred, loss)
                 n = n.detach().double() if isinstance(n, torch.Tensor) else float(n)
                 if ref is None: ref = max(float(n), 1.)
@@ -170,9 +242,8 @@ class _Runner:
             scale = 1. if summed else ref/float(items)
         else:
             xb,yb = [cat_outputs(list(z)) for z in zip(*[b[0] for b in self.batches])],[cat_outputs(list(z)) for z in zip(*[b[1] for b in self.batches])]
-            with self._ctx(m):
-                pred = m(*xb); loss = lf(pred, *yb)
-            self.trained_whole = _flat_out(pred)
+            raw,pred,loss = self._forward(m, xb, yb)
+            self.trained_whole = _flat_out(raw)
             finite = bool(torch.isfinite(loss).all())
             loss.backward(); scale = 1.
         ps = [(n, p) for n,p in m.named_parameters() if p.requires_grad]
@@ -183,28 +254,34 @@ class _Runner:
 
     @torch.no_grad()
     def outputs(self, bn:bool, drop:bool, keep:bool=False)->float:
-        """Relative difference of the outputs of the first two micro-batches, run one after the other, from the output
-        of one batch of both (two are enough to see a layer mix samples, and cost less than a window)"""
+        """Relative difference of the outputs of the experiment's micro-batches (`exp`: the first two, which are enough to
+        see a layer mix samples and cost less than a window), run one after the other, from the output of one batch of them"""
         whole = self.whole(bn, drop)
         m = self.fresh(); self.modes(m, bn, drop)
-        with self._ctx(m): preds = [m(*xb) for xb,_ in self.batches[:2]]
+        with self._ctx(m): preds = [m(*xb) for xb,_ in self._pieces(m, self.exp)]
         if keep: self.quiet_preds,self.quiet_whole = preds,whole
         return _rel(_flat_out(cat_outputs(preds)), whole)
 
     @torch.no_grad()
     def whole(self, bn:bool, drop:bool)->torch.Tensor:
-        "The output of one batch of the first two micro-batches, flattened"
+        "The output of one batch of the experiment's micro-batches, flattened"
         m = self.fresh(); self.modes(m, bn, drop)
-        xb = [cat_outputs(list(z)) for z in zip(*[b[0] for b in self.batches[:2]])]
+        xb = [cat_outputs(list(z)) for z in zip(*[self.batches[i][0] for i in self.exp])]
         with self._ctx(m): return _flat_out(m(*xb))
 
     @torch.no_grad()
     def loss_split(self)->tuple[float,float]:
-        """The loss of the first two micro-batches together against their own losses, on the same predictions (those
+        """The loss of the experiment's micro-batches together against their own losses, on the same predictions (those
         of the deterministic `outputs(False, False)` run): (error of the counts-weighted mean the Learner uses, error of
         a plain sum)"""
-        lf,preds,bs = self.learn.loss_func,self.quiet_preds,self.batches[:2]
-        big = float(lf(cat_outputs(preds), *[cat_outputs(list(z)) for z in zip(*[b[1] for b in bs])]))
+        lf,bs = self.learn.loss_func,[self.batches[i] for i in self.exp]
+        cat = lambda k: tuple(cat_outputs(list(z)) for z in zip(*[b[k] for b in bs]))
+        preds,whole = self.quiet_preds,cat_outputs(self.quiet_preds)
+        if self.replay:   # the outputs as the loss sees them (after the callbacks' `after_pred`)
+            with _sandbox(self.learn, self.replay):
+                preds = [self._pred(p, xb, yb) for p,(xb,yb) in zip(preds, bs)]
+                whole = self._pred(whole, cat(0), cat(1))
+        big = float(lf(whole, *cat(1)))
         ls,ns = [],[]
         for p,(xb,yb) in zip(preds, bs):
             ls.append(float(lf(p, *yb))); ns.append(float(self._count(xb, yb, p, None)))
@@ -258,19 +335,19 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              random.getstate(), np.random.get_state())
     try:
-        batches = _micro_batches(learn, n_step, ga.micro_bs if ga is not None else None)
+        batches,where = _micro_batches(learn, n_step, ga.micro_bs if ga is not None else None)
         model = unwrap(learn.model)   # under DDP each rank checks its own samples, without collectives
         if bna is not None and bna.mode in ('groupnorm', 'renorm') and any(is_batchnorm(m) for m in model.modules()):
             from .batchnorm import MODES
-            model = MODES[bna.mode](bna).convert(copy.deepcopy(model))   # as training will convert it, on a copy
-        return _check(learn, batches, model, ga, bna, n_step)
+            model = MODES[bna.mode](bna).convert(copy_module(model))   # as training will convert it, on a copy
+        return _check(learn, batches, model, ga, bna, n_step, where)
     finally:
         torch.set_rng_state(saved[0])
         if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
         random.setstate(saved[2]); np.random.set_state(saved[3])
 
-def _check(learn, batches, model, ga, bna, n_step)->AccumulationReport:
-    r = _Runner(learn, batches, model, ga, bna)
+def _check(learn, batches, model, ga, bna, n_step, where=None)->AccumulationReport:
+    r = _Runner(learn, batches, model, ga, bna, where)
     tol = _TOL.get(r.dtype, 1e-5)
     sizes = [find_bs(b) for b in batches]
     acc,fa = r.grads(True)
@@ -278,7 +355,7 @@ def _check(learn, batches, model, ga, bna, n_step)->AccumulationReport:
     try: big,fb = r.grads(False)
     except Exception as e:   # the big batch does not fit where the micro-batches do: compute it on the CPU
         if not is_out_of_memory(e): raise
-        r.model0,r.model = copy.deepcopy(r.model0).cpu(),None
+        r.model0,r.model = copy_module(r.model0).cpu(),None
         r.batches = [to_device(b, 'cpu') for b in r.batches]; r.buffers = []; r.stateful = True
         try: big,fb = r.grads(False)
         except Exception as e:

@@ -14,6 +14,7 @@ from fastai.learner import Learner
 from fastcore.basics import patch
 
 from .distributed import gloo_distributed_dl, is_fsdp, unwrap
+from .micro import copy_module
 
 __all__ = ['default_blocks', 'fsdp_full_state_dict', 'FSDPState']
 
@@ -36,7 +37,7 @@ def _meta_template(model:nn.Module)->nn.Module:
     memo = {id(t): (nn.Parameter(torch.empty_like(t, device='meta'), t.requires_grad) if isinstance(t, nn.Parameter)
                     else torch.empty_like(t, device='meta'))
             for t in list(model.parameters()) + list(model.buffers())}
-    return copy.deepcopy(model, memo)
+    return copy_module(model, memo, computed=lambda t: torch.empty_like(t, device='meta'))
 
 class FSDPState:
     "What `to_fsdp` changed on a Learner, to put back: the loaders, the unsharded template, whether it started the group"

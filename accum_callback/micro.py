@@ -5,7 +5,7 @@ state of models that carry it from one batch to the next.
 `GradientAccumulation` owns one `MicroBatcher` and calls it from its events; the window (what a step is) stays in
 `accumulate.py`, what the ranks agree on in `distributed.py`."""
 from __future__ import annotations
-import gc, random, warnings
+import copy, gc, random, warnings
 from numbers import Integral
 
 import torch, torch.nn as nn
@@ -15,7 +15,7 @@ from fastai.torch_core import find_bs
 
 from .distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks, unwrap
 
-__all__ = ['MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds',
+__all__ = ['copy_module', 'MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds',
            'slice_batch', 'cat_outputs']
 
 _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
@@ -62,6 +62,24 @@ def cat_outputs(outs:list):
                     "over micro-batches")
 
 # -- models that carry state from one batch to the next ------------------------------------------------------------------
+def _computed_tensors(x, found:dict):
+    "Non-leaf tensors in `x` (a tensor, or lists/tuples/dicts of them), by id"
+    if isinstance(x, torch.Tensor):
+        if not x.is_leaf: found[id(x)] = x
+    elif isinstance(x, (list, tuple)):
+        for v in x: _computed_tensors(v, found)
+    elif isinstance(x, dict):
+        for v in x.values(): _computed_tensors(v, found)
+
+def copy_module(model:nn.Module, memo:dict|None=None, computed=lambda t: t.detach().clone())->nn.Module:
+    """`copy.deepcopy(model)`, also for modules that keep a tensor computed at each forward as an attribute (fastai's
+    `WeightDropout` in AWD_LSTM, torch's old `weight_norm`), which deepcopy refuses: the copy holds `computed(t)` for each
+    (by default detached; the module computes it again at its next forward). `memo` as `copy.deepcopy`'s."""
+    found,memo = {},({} if memo is None else memo)
+    for m in model.modules(): _computed_tensors(vars(m), found)
+    for k,t in found.items(): memo.setdefault(k, computed(t))
+    return copy.deepcopy(model, memo)
+
 class StatefulModelError(ValueError):
     "A model carries state between batches in a way `micro_bs` cannot split per row"
 

@@ -110,3 +110,25 @@ class StepCounter(Callback):
         def step(*a, **k): self.n += 1; return orig(*a, **k)
         step._counted = True
         opt.step = step
+
+def lm_learner_factory():
+    """`make(cbs)`: a fastai AWD_LSTM language model (its hidden state carries one row per batch row into the next batch) with
+    fastai's rnn callbacks (ModelResetter, RNNCallback, RNNRegularizer with AR/TAR), dropout off"""
+    from fastai.callback.rnn import rnn_cbs
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.text.models.awdlstm import AWD_LSTM
+    from fastai.text.models.core import get_language_model
+    from fastai.text.data import LMDataLoader
+    from fastai.data.core import DataLoaders
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randint(2, 30, (int(n),), generator=g) for n in torch.randint(20, 60, (24,), generator=g)]
+    # weight_p 1e-12, not 0: fastai 2.8's WeightDropout registers torch 2.14's dropout output for p=0 (the Parameter
+    # itself) as a parameter, and its reset() then fails; at 1e-12 no weight is ever dropped
+    cfg = dict(emb_sz=8, n_hid=12, n_layers=2, pad_token=1, bidir=False, output_p=0., hidden_p=0., input_p=0.,
+               embed_p=0., weight_p=1e-12, tie_weights=True, out_bias=True)
+    def make(cbs=()):
+        torch.manual_seed(0)
+        model = get_language_model(AWD_LSTM, 30, config=dict(cfg), drop_mult=1.)
+        dls = DataLoaders(LMDataLoader(texts, bs=8, seq_len=6), LMDataLoader(texts[:8], bs=8, seq_len=6), device='cpu')
+        return Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.5, cbs=rnn_cbs(2., 1.) + list(cbs))
+    return make

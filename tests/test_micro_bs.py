@@ -212,8 +212,7 @@ def test_probe_keeps_the_larger_size_when_it_is_faster(monkeypatch):
     assert learn.gradient_accumulation.micro_bs == 8 and not any('micro_bs is now' in m for m in learn.caught)
 
 # == issue 20: validation under 'auto', stateful models, the progress total, warnings, DDP cancels, cancelled steps ====
-from fastai.callback.core import CancelBatchException, CancelStepException
-from fastai.callback.rnn import rnn_cbs
+from fastai.callback.core import CancelStepException
 from fastai.data.core import Datasets
 from fastai.data.transforms import Categorize
 from fastai.learner import Learner
@@ -222,7 +221,7 @@ from fastai.metrics import accuracy, RocAuc
 from fastai.optimizer import SGD
 from fastai.torch_core import TensorBase
 from accum_callback.micro import StatefulModelError
-from helpers import WindowSpy, flat
+from helpers import WindowSpy, flat, lm_learner_factory
 
 class OOMInInference(nn.Module):
     "Raises out of memory for an inference forward of more than `n` items (training passes)"
@@ -286,25 +285,7 @@ def test_fixed_micro_bs_does_not_touch_inference():
 
 # -- models that carry state between batches ---------------------------------------------------------------------------
 @pytest.fixture
-def lm_learner():
-    """A fastai AWD_LSTM language model (its hidden state carries one row per batch row into the next batch) with
-    fastai's rnn callbacks (ModelResetter, RNNCallback, RNNRegularizer with AR/TAR), dropout off"""
-    from fastai.text.models.awdlstm import AWD_LSTM
-    from fastai.text.models.core import get_language_model
-    from fastai.text.data import LMDataLoader
-    from fastai.data.core import DataLoaders
-    g = torch.Generator().manual_seed(1)
-    texts = [torch.randint(2, 30, (int(n),), generator=g) for n in torch.randint(20, 60, (24,), generator=g)]
-    # weight_p 1e-12, not 0: fastai 2.8's WeightDropout registers torch 2.14's dropout output for p=0 (the Parameter
-    # itself) as a parameter, and its reset() then fails; at 1e-12 no weight is ever dropped
-    cfg = dict(emb_sz=8, n_hid=12, n_layers=2, pad_token=1, bidir=False, output_p=0., hidden_p=0., input_p=0.,
-               embed_p=0., weight_p=1e-12, tie_weights=True, out_bias=True)
-    def make(cbs=()):
-        torch.manual_seed(0)
-        model = get_language_model(AWD_LSTM, 30, config=dict(cfg), drop_mult=1.)
-        dls = DataLoaders(LMDataLoader(texts, bs=8, seq_len=6), LMDataLoader(texts[:8], bs=8, seq_len=6), device='cpu')
-        return Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.5, cbs=rnn_cbs(2., 1.) + list(cbs))
-    return make
+def lm_learner(): return lm_learner_factory()
 
 def test_language_model_pieces_run_with_their_own_rows_state(lm_learner):
     """micro_bs=3 on loader batches of 8 rows: each piece starts from its own rows of the carried hidden state and
