@@ -49,7 +49,8 @@ class AccumulationReport:
     of `dtype`); `rel_error`: relative L2 error over the whole model; `worst`: the parameter tensors furthest off, by
     name; `causes`: names from `CHECK_CAUSES`, each found by an experiment; `errors`: what each experiment measured
     (relative; the gradient with only that suspect on, or for the loss causes the loss of the whole batch against the
-    counts-weighted losses of its parts); `advice`: one line per cause"""
+    counts-weighted losses of its parts); `advice`: one line per cause; `note`: how the micro-batches were chosen where
+    not as the Learner's window stands (`micro_bs='auto'` before it has cut a batch)"""
     exact: bool
     rel_error: float
     tol: float
@@ -61,6 +62,7 @@ class AccumulationReport:
     errors: dict = field(default_factory=dict)
     advice: dict = field(default_factory=dict)
     reference: str = 'device'   # where the big batch ran: the model's device, or 'cpu' after an out-of-memory error
+    note: str = ''              # how the micro-batches were chosen, where not the Learner's window as it stands
 
     def rows(self)->list:
         rows = [('verdict', 'exact' if self.exact else 'NOT exact'),
@@ -69,6 +71,7 @@ class AccumulationReport:
         if self.worst: rows.append(('worst tensors', ', '.join(f'{n} {e:.1e}' for n,e in self.worst)))
         for c in self.causes: rows.append((f'cause: {c}', f"{self.errors[c]:.1e}; {self.advice[c]}" if c in self.errors else self.advice[c]))
         if self.reference != 'device': rows.append(('note', f'the big batch ran on the {self.reference} (out of memory on the device)'))
+        if self.note: rows.append(('note', self.note))
         return rows
     def __str__(self):
         rows = self.rows(); w = max(len(k) for k,_ in rows)
@@ -323,11 +326,19 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     from .batchnorm import BatchNormAccumulation
     ga = next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
     bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
+    size,note = (ga.micro_bs if ga is not None else None),''
     if n_step is None:
         n_step = 4
         if ga is not None:
             try: n_step = ga.window_n_step
             except Exception: pass
+            bs = getattr(learn.dls.train, 'bs', None)
+            if ga.micro_bs_mode == 'auto' and isinstance(bs, int) and bs >= 2 and (size is None or size >= bs):
+                # 'auto' has not cut a loader batch yet: checking one uncut batch against itself would say nothing.
+                # Check what its first out-of-memory error would run: each loader batch in two pieces
+                size = math.ceil(bs/2)
+                n_step = n_step*len(piece_bounds(bs, size))
+                note = f"micro_bs='auto' has not cut a batch yet: checked at {size}, what its first halving runs"
     n_step = _whole_n_step(n_step)
     if is_fsdp(learn.model):
         raise ValueError("check_accumulation: the model is sharded with FSDP2; run the check before sharding it (on one "
@@ -335,12 +346,14 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              random.getstate(), np.random.get_state())
     try:
-        batches,where = _micro_batches(learn, n_step, ga.micro_bs if ga is not None else None)
+        batches,where = _micro_batches(learn, n_step, size)
         model = unwrap(learn.model)   # under DDP each rank checks its own samples, without collectives
         if bna is not None and bna.mode in ('groupnorm', 'renorm') and any(is_batchnorm(m) for m in model.modules()):
             from .batchnorm import MODES
             model = MODES[bna.mode](bna).convert(copy_module(model))   # as training will convert it, on a copy
-        return _check(learn, batches, model, ga, bna, n_step, where)
+        rep = _check(learn, batches, model, ga, bna, n_step, where)
+        rep.note = note
+        return rep
     finally:
         torch.set_rng_state(saved[0])
         if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
@@ -394,7 +407,7 @@ def _check(learn, batches, model, ga, bna, n_step, where=None)->AccumulationRepo
 
 @patch
 def check_accumulation(self:Learner,
-    n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4)
+    n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4; see the docs for 'auto')
 )->AccumulationReport:
     """Is the gradient this Learner accumulates over `n_step` micro-batches of its training loader the gradient of one
     batch of exactly those samples? If not, why (`AccumulationReport.causes`)? Works on a copy: changes nothing"""
@@ -402,7 +415,7 @@ def check_accumulation(self:Learner,
 
 def check_accumulation(   # the module-level name (the @patch above put the method on Learner)
     learn:Learner, # the Learner to check, with its GradientAccumulation / BatchNormAccumulation / MixedPrecision
-    n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4)
+    n_step:int|None=None, # micro-batches to accumulate (default: the window of the Learner's GradientAccumulation, else 4; see the docs for 'auto')
 )->AccumulationReport:
     "`learn.check_accumulation(n_step)` as a function"
     return _run_check(learn, n_step)

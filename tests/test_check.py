@@ -234,3 +234,13 @@ def test_a_callback_failing_in_the_replay_is_named():
     before = {k: learn.__dict__.get(k, 'absent') for k in STEP}
     with pytest.raises(RuntimeError, match=r"replaying `Broken.after_loss`.*needs the fit"): learn.check_accumulation()
     assert {k: learn.__dict__.get(k, 'absent') for k in STEP} == before
+
+@pytest.mark.parametrize('ga,sizes', [(dict(micro_bs='auto'), [4, 4]), (dict(micro_bs='auto', n_step=2), [4]*4),
+                                      (dict(micro_bs=3), [3, 3, 2])])
+def test_auto_before_any_cut_checks_its_first_halving(ga, sizes):
+    """`micro_bs='auto'` that has not cut a batch yet has windows of whole loader batches: checking one against itself
+    would say "exact" about nothing. The check runs what the first halving would (pieces of 4 from batches of 8), and
+    says so; a fixed micro_bs is checked at its own pieces"""
+    r = learner(ga=ga, bs=8).check_accumulation()
+    assert r.micro_sizes == sizes and r.exact and (('first halving' in str(r)) == (ga.get('micro_bs') == 'auto')), r
+    assert learner(ga=ga, bs=8, model=Net(bn=True)).check_accumulation().causes == ('batchnorm',)
