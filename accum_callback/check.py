@@ -340,6 +340,7 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
                 n_step = n_step*len(piece_bounds(bs, size))
                 note = f"micro_bs='auto' has not cut a batch yet: checked at {size}, what its first halving runs"
     n_step = _whole_n_step(n_step)
+    if n_step == 1 and not note: note = "one micro-batch against itself: nothing is accumulated (pass n_step >= 2 to check a window)"
     if is_fsdp(learn.model):
         raise ValueError("check_accumulation: the model is sharded with FSDP2; run the check before sharding it (on one "
                          "process), or under DDP, where each rank checks its own samples")

@@ -244,3 +244,8 @@ def test_auto_before_any_cut_checks_its_first_halving(ga, sizes):
     r = learner(ga=ga, bs=8).check_accumulation()
     assert r.micro_sizes == sizes and r.exact and (('first halving' in str(r)) == (ga.get('micro_bs') == 'auto')), r
     assert learner(ga=ga, bs=8, model=Net(bn=True)).check_accumulation().causes == ('batchnorm',)
+
+def test_a_window_of_one_says_nothing_is_accumulated():
+    r = learner(ga=dict(n_step=1)).check_accumulation()
+    assert r.n_step == 1 and r.exact and 'nothing is accumulated' in str(r)
+    assert 'note' not in str(learner().check_accumulation())
