@@ -123,8 +123,11 @@ def _replay(learn, cbs:list, event:str):
     for cb in cbs:
         try: cb(event)
         except Exception as e:
+            what = (f"raised {type(e).__name__}: the check cannot follow a callback that cancels a micro-batch; run it "
+                    f"with that callback removed (`with learn.removed_cbs(cb): learn.check_accumulation()`)"
+                    if type(e).__name__.startswith('Cancel') else f"failed: {e}")
             raise RuntimeError(f"check_accumulation: replaying `{type(cb).__name__}.{event}` (what training runs between "
-                               f"the model and the backward) on the check's copy failed: {e}") from e
+                               f"the model and the backward) on the check's copy {what}") from e
 
 def _split_xy(learn, b):
     i = getattr(learn.dls, 'n_inp', 1 if len(b) == 1 else len(b)-1)

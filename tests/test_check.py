@@ -179,7 +179,7 @@ def test_a_big_batch_that_fits_nowhere_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r'16 items of n_step=4.*smaller `n_step`'): learner(model=model).check_accumulation()
 
 # -- models whose output a callback shapes, and models that carry state (fastai's language models) -----------------------
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelBatchException
 from helpers import lm_learner_factory
 
 def lm_state(learn):
@@ -232,8 +232,13 @@ def test_a_callback_failing_in_the_replay_is_named():
         def after_loss(self): raise KeyError('needs the fit')
     learn = learner(); learn.add_cb(Broken())
     before = {k: learn.__dict__.get(k, 'absent') for k in STEP}
-    with pytest.raises(RuntimeError, match=r"replaying `Broken.after_loss`.*needs the fit"): learn.check_accumulation()
+    with pytest.raises(RuntimeError, match=r"(?s)replaying `Broken.after_loss`.*failed: .*needs the fit"): learn.check_accumulation()
     assert {k: learn.__dict__.get(k, 'absent') for k in STEP} == before
+    class Skips(Callback):
+        def after_pred(self): raise CancelBatchException()
+    learn = learner(); cb = Skips(); learn.add_cb(cb)
+    with pytest.raises(RuntimeError, match=r"`Skips.after_pred`.*raised CancelBatchException.*removed_cbs"): learn.check_accumulation()
+    with learn.removed_cbs(cb): assert learn.check_accumulation().exact
 
 @pytest.mark.parametrize('ga,sizes', [(dict(micro_bs='auto'), [4, 4]), (dict(micro_bs='auto', n_step=2), [4]*4),
                                       (dict(micro_bs=3), [3, 3, 2])])
