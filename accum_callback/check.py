@@ -141,12 +141,12 @@ class _View:
 # -- the experiments ---------------------------------------------------------------------------------------------------------
 class _Runner:
     "Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches"
-    def __init__(self, learn, batches, model, ga, bna, where=None):
+    def __init__(self, learn, batches, model, ga, bna, where:list):
         self.learn,self.batches,self.ga,self.bna = learn,[_split_xy(learn, b) for b in batches],ga,bna
         self.model0,self.replay = model,_replayed(learn)
         self.stateful = any(map(any, stateful_modules(model)))   # splittable or not: its state is copied per pass
         # pieces of loader batches on a model with per-row state: each starts from its own rows, as under micro_bs
-        self.where = where or [(0, find_bs(b), find_bs(b)) for b in batches]
+        self.where = where
         self.cut_rows = self.stateful and any((s, e) != (0, n) for s,e,n in self.where)
         # the output experiments' micro-batches: the first two (enough to see a layer mix samples), or on a model with
         # per-row state cut in pieces, up to the first piece of the second loader batch (where its state carries over)
@@ -208,6 +208,10 @@ class _Runner:
         _replay(L, self.replay, 'after_pred')
         return L.pred
 
+    def joined(self, idxs)->tuple:
+        "`(xb, yb)` of one batch of the micro-batches `idxs`"
+        return tuple(cat_outputs([self.batches[i][k] for i in idxs]) for k in (0, 1))
+
     def _pieces(self, m, idxs):
         "Yield the micro-batches `idxs` as `(xb, yb)`; a model with per-row state starts each piece from its own rows"
         rows = RowStates(stateful_modules(m)[0] if self.cut_rows else [])
@@ -247,7 +251,7 @@ class _Runner:
                 items = items + n
             scale = 1. if summed else ref/float(items)
         else:
-            xb,yb = [cat_outputs(list(z)) for z in zip(*[b[0] for b in self.batches])],[cat_outputs(list(z)) for z in zip(*[b[1] for b in self.batches])]
+            xb,yb = self.joined(range(len(self.batches)))
             raw,pred,loss = self._forward(m, xb, yb)
             self.trained_whole = _flat_out(raw)
             finite = bool(torch.isfinite(loss).all())
@@ -272,7 +276,7 @@ class _Runner:
     def whole(self, bn:bool, drop:bool)->torch.Tensor:
         "The output of one batch of the experiment's micro-batches, flattened"
         m = self.fresh(); self.modes(m, bn, drop)
-        xb = [cat_outputs(list(z)) for z in zip(*[self.batches[i][0] for i in self.exp])]
+        xb,_ = self.joined(self.exp)
         with self._ctx(m): return _flat_out(m(*xb))
 
     @torch.no_grad()
@@ -280,14 +284,13 @@ class _Runner:
         """The loss of the experiment's micro-batches together against their own losses, on the same predictions (those
         of the deterministic `outputs(False, False)` run): (error of the counts-weighted mean the Learner uses, error of
         a plain sum)"""
-        lf,bs = self.learn.loss_func,[self.batches[i] for i in self.exp]
-        cat = lambda k: tuple(cat_outputs(list(z)) for z in zip(*[b[k] for b in bs]))
+        lf,bs,(xb_all,yb_all) = self.learn.loss_func,[self.batches[i] for i in self.exp],self.joined(self.exp)
         preds,whole = self.quiet_preds,cat_outputs(self.quiet_preds)
         if self.replay:   # the outputs as the loss sees them (after the callbacks' `after_pred`)
             with _sandbox(self.learn, self.replay):
                 preds = [self._pred(p, xb, yb) for p,(xb,yb) in zip(preds, bs)]
-                whole = self._pred(whole, cat(0), cat(1))
-        big = float(lf(whole, *cat(1)))
+                whole = self._pred(whole, xb_all, yb_all)
+        big = float(lf(whole, *yb_all))
         ls,ns = [],[]
         for p,(xb,yb) in zip(preds, bs):
             ls.append(float(lf(p, *yb))); ns.append(float(self._count(xb, yb, p, None)))
@@ -363,7 +366,7 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
         if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
         random.setstate(saved[2]); np.random.set_state(saved[3])
 
-def _check(learn, batches, model, ga, bna, n_step, where=None)->AccumulationReport:
+def _check(learn, batches, model, ga, bna, n_step, where)->AccumulationReport:
     r = _Runner(learn, batches, model, ga, bna, where)
     tol = _TOL.get(r.dtype, 1e-5)
     sizes = [find_bs(b) for b in batches]
