@@ -62,22 +62,15 @@ def cat_outputs(outs:list):
                     "over micro-batches")
 
 # -- models that carry state from one batch to the next ------------------------------------------------------------------
-def _computed_tensors(x, found:dict):
-    "Non-leaf tensors in `x` (a tensor, or lists/tuples/dicts of them), by id"
-    if isinstance(x, torch.Tensor):
-        if not x.is_leaf: found[id(x)] = x
-    elif isinstance(x, (list, tuple)):
-        for v in x: _computed_tensors(v, found)
-    elif isinstance(x, dict):
-        for v in x.values(): _computed_tensors(v, found)
-
 def copy_module(model:nn.Module, memo:dict|None=None, computed=lambda t: t.detach().clone())->nn.Module:
     """`copy.deepcopy(model)`, also for modules that keep a tensor computed at each forward as an attribute (fastai's
     `WeightDropout` in AWD_LSTM, torch's old `weight_norm`), which deepcopy refuses: the copy holds `computed(t)` for each
     (by default detached; the module computes it again at its next forward). `memo` as `copy.deepcopy`'s."""
-    found,memo = {},({} if memo is None else memo)
-    for m in model.modules(): _computed_tensors(vars(m), found)
-    for k,t in found.items(): memo.setdefault(k, computed(t))
+    from torch.utils._pytree import tree_flatten
+    memo = {} if memo is None else memo
+    for m in model.modules():
+        for t in tree_flatten(vars(m))[0]:   # its attributes, inside lists, tuples and dicts too
+            if isinstance(t, torch.Tensor) and not t.is_leaf and id(t) not in memo: memo[id(t)] = computed(t)
     return copy.deepcopy(model, memo)
 
 class StatefulModelError(ValueError):
