@@ -5,7 +5,7 @@ state of models that carry it from one batch to the next.
 `GradientAccumulation` owns one `MicroBatcher` and calls it from its events; the window (what a step is) stays in
 `accumulate.py`, what the ranks agree on in `distributed.py`."""
 from __future__ import annotations
-import copy, gc, random, warnings
+import copy, functools, gc, random, warnings
 from numbers import Integral
 
 import torch, torch.nn as nn
@@ -14,6 +14,7 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs
 
 from .distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks, unwrap
+from .losses import loss_items, loss_reduction
 
 __all__ = ['copy_module', 'MicroBatcher', 'MicroBatches', 'RowStates', 'is_out_of_memory', 'stateful_modules', 'StatefulModelError', 'piece_bounds',
            'slice_batch', 'cat_outputs']
@@ -62,15 +63,29 @@ def cat_outputs(outs:list):
                     "over micro-batches")
 
 # -- models that carry state from one batch to the next ------------------------------------------------------------------
-def copy_module(model:nn.Module, memo:dict|None=None, computed=lambda t: t.detach().clone())->nn.Module:
-    """`copy.deepcopy(model)`, also for modules that keep a tensor computed at each forward as an attribute (fastai's
-    `WeightDropout` in AWD_LSTM, torch's old `weight_norm`), which deepcopy refuses: the copy holds `computed(t)` for each
-    (by default detached; the module computes it again at its next forward). `memo` as `copy.deepcopy`'s."""
+def _computed_tensors(model:nn.Module, depth:int=3):
+    """Tensors computed in a forward (not graph leaves) that the modules keep as attributes, inside lists, tuples and dicts
+    too, or that objects they hold keep (fastai's `Hook.stored`, in a U-Net's blocks), up to `depth` objects away"""
     from torch.utils._pytree import tree_flatten
+    seen,level = set(),[vars(m) for m in model.modules()]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            for t in tree_flatten(d)[0]:
+                if isinstance(t, torch.Tensor):
+                    if not t.is_leaf: yield t
+                elif not isinstance(t, (nn.Module, type)) and isinstance(getattr(t, '__dict__', None), dict) and id(t) not in seen:
+                    seen.add(id(t)); nxt.append(vars(t))
+        level = nxt
+
+def copy_module(model:nn.Module, memo:dict|None=None, computed=lambda t: t.detach().clone())->nn.Module:
+    """`copy.deepcopy(model)`, also for models that keep a tensor computed at each forward (fastai's `WeightDropout` in
+    AWD_LSTM, torch's old `weight_norm`, the hooks of fastai's U-Net), which deepcopy refuses: the copy holds
+    `computed(t)` for each (by default detached; the model computes it again at its next forward). `memo` as
+    `copy.deepcopy`'s."""
     memo = {} if memo is None else memo
-    for m in model.modules():
-        for t in tree_flatten(vars(m))[0]:   # its attributes, inside lists, tuples and dicts too
-            if isinstance(t, torch.Tensor) and not t.is_leaf and id(t) not in memo: memo[id(t)] = computed(t)
+    for t in _computed_tensors(model):
+        if id(t) not in memo: memo[id(t)] = computed(t)
     return copy.deepcopy(model, memo)
 
 class StatefulModelError(ValueError):
@@ -111,20 +126,27 @@ class _ProtocolState:
     def current(m, bs:int): return m.get_batch_state(bs)
 
 def _known_stateless(m)->bool:
-    "Modules with a `reset` that hold no state between batches of their own (containers, weight-dropout, encoders that reset)"
-    names = {'SequentialRNN', 'SentenceEncoder', 'WeightDropout', 'EmbeddingDropout', 'RNNDropout'}
+    "Modules with a `reset` that hold no state between batches of their own (containers, weight-dropout)"
+    names = {'SequentialRNN', 'WeightDropout', 'EmbeddingDropout', 'RNNDropout'}
     return type(m).__name__ in names and type(m).__module__.startswith('fastai.')
+
+def _holds_no_state(m)->bool:
+    """Nothing inside `m` carries state from one batch to the next: it says so (`carries_batch_state = False`), or it
+    resets what it wraps at every forward, as fastai's `SentenceEncoder` (a text classifier's encoder) does"""
+    if getattr(m, 'carries_batch_state', None) is False: return True
+    return type(m).__name__ == 'SentenceEncoder' and type(m).__module__.startswith('fastai.')
 
 def stateful_modules(model:nn.Module)->tuple[list, list]:
     """`(splittable, unsplittable)`: the modules of `model` that carry state from one batch to the next. Splittable: fastai's
     `AWD_LSTM`/`AWD_QRNN`, and any module with `get_batch_state(bs)` and `set_batch_state(state)`. Unsplittable: any other
-    module with a `reset()` method (fastai's sign of a model with state; `ModelResetter` calls it), unless it says
-    `carries_batch_state = False`. Modules inside a splittable one are its own business."""
+    module with a `reset()` method (fastai's sign of a model with state; `ModelResetter` calls it). Not counted: what sits
+    inside a module that holds no state (`carries_batch_state = False`, or fastai's `SentenceEncoder`, which resets its
+    AWD_LSTM at every forward), and modules inside a splittable one (its own business)."""
     model = unwrap(model)
     ok,bad,skip = [],[],set()
     for m in model.modules():
         if id(m) in skip: continue
-        if getattr(m, 'carries_batch_state', None) is False: continue
+        if _holds_no_state(m): skip.update(id(c) for c in m.modules()); continue
         if callable(getattr(m, 'get_batch_state', None)) and callable(getattr(m, 'set_batch_state', None)): a = _ProtocolState(m)
         elif type(m).__name__ in ('AWD_LSTM', 'AWD_QRNN') and hasattr(m, 'hidden') and hasattr(m, '_change_hidden'): a = _AWDState
         elif callable(getattr(m, 'reset', None)) and not _known_stateless(m): bad.append(m); continue
@@ -145,19 +167,27 @@ def refuse_stateful(bad:list, model:nn.Module):
 class RowStates:
     """The per-row state of a batch cut into pieces: each piece starts from its own rows of the state the whole batch
     would start from, and what it leaves is written back into those rows; after the last piece the module holds the
-    state of the whole batch, as if it had not been cut. A piece run again (out-of-memory retry) starts from the same rows."""
-    def __init__(self, mods:list): self.mods,self.n,self.s_in,self.s_out = mods,None,None,None
+    state of the whole batch, as if it had not been cut. A piece run again (out-of-memory retry) starts from the same rows.
+
+    A `reset()` of a module while its batch is cut (a callback that resets the state before every batch, which fastai
+    calls for every piece) is respected: the rows of the pieces from then on start from the state the reset left, as
+    the whole batch would after a reset before it (`watch` wraps the modules' `reset` for the length of a fit)."""
+    def __init__(self, mods:list): self.mods,self.n,self.s_in,self.s_out,self.piece = mods,None,None,None,None
     def __bool__(self): return bool(self.mods)
     def begin(self, n:int):
         self.n = n
         self.s_in = [_flat(a.get(m, n)) for m,a in self.mods]
         self.s_out = [[t.clone() for t in leaves] for leaves,_ in self.s_in]
+    def _set_rows(self, i:int, s:int, e:int):
+        (m,a),(leaves,spec) = self.mods[i],self.s_in[i]
+        a.set(m, _unflat([t.narrow(a.dim, s, e-s).clone() for t in leaves], spec), e-s)
     def enter(self, s:int, e:int):
         if self.n is None: return
-        for (m,a),(leaves,spec) in zip(self.mods, self.s_in):
-            a.set(m, _unflat([t.narrow(a.dim, s, e-s).clone() for t in leaves], spec), e-s)
+        self.piece = (s, e)
+        for i in range(len(self.mods)): self._set_rows(i, s, e)
     def leave(self, s:int, e:int):
         if self.n is None: return
+        self.piece = None
         for (m,a),out in zip(self.mods, self.s_out):
             for i,t in enumerate(_flat(a.current(m, e-s))[0]):
                 if out[i].dtype != t.dtype or out[i].device != t.device: out[i] = out[i].to(t)   # e.g. zeros of the default dtype
@@ -165,7 +195,25 @@ class RowStates:
     def end(self):
         if self.n is None: return
         for (m,a),out,(_,spec) in zip(self.mods, self.s_out, self.s_in): a.set(m, _unflat(out, spec), self.n)
-        self.n = self.s_in = self.s_out = None
+        self.n = self.s_in = self.s_out = self.piece = None
+
+    # -- a reset while a batch is cut ------------------------------------------------------------------------------
+    def _reset(self, i:int, orig, *args, **kwargs):
+        res = orig(*args, **kwargs)
+        if self.n is not None:   # the rows still to run start from the reset state, for every piece
+            (m,a) = self.mods[i]
+            self.s_in[i] = _flat(a.get(m, self.n))
+            if self.piece is not None: self._set_rows(i, *self.piece)   # reset inside a piece: it runs from its rows of it
+        return res
+    def watch(self):
+        "Wrap each module's `reset` (an instance attribute, removed by `unwatch`)"
+        for i,(m,_) in enumerate(self.mods):
+            orig = getattr(m, 'reset', None)
+            if callable(orig) and 'reset' not in m.__dict__: m.__dict__['reset'] = functools.partial(self._reset, i, orig)
+    def unwatch(self):
+        for m,_ in self.mods:
+            f = m.__dict__.get('reset')
+            if isinstance(f, functools.partial) and getattr(f.func, '__self__', None) is self: del m.__dict__['reset']
 
 # -- the training loader, cut -----------------------------------------------------------------------------------------------
 class MicroBatches:
@@ -284,7 +332,9 @@ class MicroBatcher:
                              "cuts its batches into the same number of pieces)")
         ok,bad = stateful_modules(model)
         if bad: refuse_stateful(bad, model)
+        self.rows.unwatch()
         self.rows,self._state = RowStates(ok),None
+        self.rows.watch()   # a reset while a batch is cut is respected
         if self.auto:
             if self.size is None: self.size = getattr(learn.dls.train, 'bs', None)   # or what an earlier fit found
             self._wrap_one_batch()
@@ -300,6 +350,7 @@ class MicroBatcher:
         self._unwrap_one_batch()
         self.end_train()
         learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, _CutLoader)])
+        self.rows.unwatch()
         self._state,self.snap = None,None
 
     def start_train(self):
@@ -461,23 +512,28 @@ class MicroBatcher:
 
     # -- inference under 'auto' -------------------------------------------------------------------------------------------
     def infer_one_batch(self, one_batch, i, b):
-        "Run fastai's `one_batch` on an inference batch with the model's forward cut into pieces when it runs out of memory"
-        model = unwrap(self.learn.model)   # under DDP the wrapped module: DDP's own forward runs once per batch
+        """Run fastai's `one_batch` on an inference batch with the model's forward, and the loss, each cut into pieces when
+        it runs out of memory (a large-vocabulary loss can run out where the forward fitted)"""
+        learn,model = self.learn,unwrap(self.learn.model)   # under DDP the wrapped module: DDP's own forward runs once per batch
         own = model.__dict__.get('forward')
         fwd = own if own is not None else model.forward
-        model.forward = lambda *args, **kw: self._forward_cut(fwd, args, kw)
+        model.forward = lambda *args, **kw: self._cut(fwd, args, kw, self._forward_pieces)
+        lf = learn.loss_func
+        if lf is not None: learn.loss_func = _CutLoss(lf, self)
         try: return one_batch(i, b)
         finally:
+            learn.loss_func = lf
             if own is None: model.__dict__.pop('forward', None)
             else: model.forward = own
 
-    def _forward_cut(self, fwd, args, kw):
+    def _cut(self, fn, args, kw, pieces):
+        "`fn(*args, **kw)` on the whole batch, or in `pieces(fn, args, kw, n, size)` after an out-of-memory error, halving"
         n = find_bs(args)
         while True:
             size = self.inference_bs
             try:
-                if size is None or size >= n: return fwd(*args, **kw)
-                return self._pieces(fwd, args, kw, n, size)
+                if size is None or size >= n: return fn(*args, **kw)
+                return pieces(fn, args, kw, n, size)
             except BaseException as e:
                 if not is_out_of_memory(e): raise
                 msg = _first_line(e)
@@ -496,13 +552,13 @@ class MicroBatcher:
             warnings.warn(f"GradientAccumulation: out of memory in inference with a batch of {cur} ({msg}); inference "
                           f"batches are now cut into pieces of {cur//2} (training keeps micro_bs {self.size})", stacklevel=2)
 
-    def _pieces(self, fwd, args, kw, n:int, size:int):
-        bounds = piece_bounds(n, size)
+    def _forward_pieces(self, fwd, args, kw, n:int, size:int):
+        "The model's outputs of the batch's pieces, joined; a stateful model runs each piece from its own rows"
         rows = self.rows if self.rows else RowStates(stateful_modules(self.learn.model)[0])
         if rows: rows.begin(n)
         try:
             outs = []
-            for s,e in bounds:
+            for s,e in piece_bounds(n, size):
                 if rows: rows.enter(s, e)
                 outs.append(fwd(*slice_batch(args, s, e), **kw))
                 if rows: rows.leave(s, e)
@@ -512,3 +568,26 @@ class MicroBatcher:
             raise
         if rows: rows.end()
         return out
+
+    @staticmethod
+    def _loss_pieces(lf, args, kw, n:int, size:int):
+        """The loss of the whole batch from its pieces' losses `lf(pred[s:e], *yb[s:e])`: a sum for a loss that sums, else
+        the mean weighted by the count each piece's mean is over (`loss_items`: class weights, `ignore_index`), the
+        piece's items otherwise; per-item losses (reduction 'none') joined"""
+        outs,ns = [],[]
+        for s,e in piece_bounds(n, size):
+            pred,*yb = slice_batch(args, s, e)
+            outs.append(lf(pred, *yb, **kw))
+            c = loss_items(lf, yb)
+            ns.append(c if c is not None else torch.tensor(float(e-s)))
+        if any(o.ndim for o in outs): return torch.cat(outs)
+        loss = torch.stack(outs)
+        if loss_reduction(lf) == 'sum': return loss.sum()
+        w = torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in ns]).to(loss.device)
+        return (torch.where(w > 0, loss.float()*w, 0.).sum()/w.sum()).to(loss.dtype)   # a piece of no item counts nothing
+
+class _CutLoss:
+    "The Learner's loss in an inference batch under micro_bs='auto': cut into pieces when it runs out of memory"
+    def __init__(self, lf, mb:MicroBatcher): self.lf,self.mb = lf,mb
+    def __call__(self, *args, **kw): return self.mb._cut(self.lf, args, kw, self.mb._loss_pieces)
+    def __getattr__(self, k): return getattr(self.__dict__['lf'], k)   # `activation`, `decodes`, ... as the loss's own
