@@ -9,9 +9,19 @@ import torch, torch.nn as nn
 __all__ = ['loss_reduction', 'loss_items', 'SUM_LOSSES']
 
 def _inner(lf):
-    "The torch loss module behind fastai's `BaseLoss` wrappers (`CrossEntropyLossFlat`, ...), or `lf` itself"
+    """The torch loss module behind fastai's `BaseLoss` wrappers (`CrossEntropyLossFlat`, ..., and a subclass that keeps
+    `BaseLoss.__call__`, such as one that only sets arguments in its `__init__`), or `lf` itself"""
     f = getattr(lf, 'func', None)
-    return f if isinstance(f, nn.Module) and type(lf).__module__.startswith('fastai.') else lf
+    if not isinstance(f, nn.Module): return lf
+    base = _fastai_base_loss()
+    if base is not None and isinstance(lf, base): return f if type(lf).__call__ is base.__call__ else lf
+    return f if type(lf).__module__.startswith('fastai.') else lf
+
+@functools.lru_cache(maxsize=None)
+def _fastai_base_loss():
+    try: from fastai.losses import BaseLoss
+    except ImportError: return None
+    return BaseLoss
 
 # torch and fastai losses whose `reduction='sum'` is a plain sum over items (so accumulating micro-batch sums is exact)
 _CE = (nn.CrossEntropyLoss, nn.NLLLoss)
@@ -35,11 +45,13 @@ def loss_items(loss_func, yb)->torch.Tensor|None:
     """How many items a micro-batch's mean loss averages over, for the losses whose mean is not over the batch: torch's
     `CrossEntropyLoss`/`NLLLoss` (and fastai's `CrossEntropyLossFlat`) with class indices as targets, a `weight` or
     targets equal to `ignore_index` (the count of non-ignored targets, weighted). A 0-d tensor on the targets' device
-    (no host synchronisation); None where the batch size is the right count (or the loss is unknown)."""
+    (no host synchronisation, a plain tensor whatever fastai type the targets have); None where the batch size is the
+    right count (or the loss is unknown)."""
     f = _inner(loss_func)
     if not isinstance(f, _CE) or getattr(f, 'reduction', 'mean') != 'mean' or len(yb) != 1: return None
     t = yb[0]
     if not isinstance(t, torch.Tensor) or t.is_floating_point(): return None   # probability targets: a mean over items
+    t = t.as_subclass(torch.Tensor)   # fastai's typed targets (TensorCategory) refuse arithmetic with other types
     keep = t != f.ignore_index
     w = getattr(f, 'weight', None)
     if w is None: return keep.sum().float()

@@ -48,7 +48,9 @@ def _has_stats(bn)->bool:
     nbt = bn.num_batches_tracked
     return bool((nbt is not None and nbt > 0) or bn.running_mean.ne(0).any() or bn.running_var.ne(1).any())
 
-def _groups(c:int, num_groups:int)->int: return max(g for g in range(1, min(c, num_groups)+1) if c % g == 0)
+def _groups(c:int, num_groups:int)->int:
+    "The most groups <= `num_groups` that divide `c` channels (1 for a layer of none, as fastai's collab net has)"
+    return max((g for g in range(1, min(c, num_groups)+1) if c % g == 0), default=1)
 
 def bn_to_groupnorm(
     module:nn.Module, # a model (or a single BatchNorm layer)
@@ -105,7 +107,7 @@ class BatchRenorm(_BatchNorm):
         warmup:int=0, # training forwards with r_max=1, d_max=0 (plain BatchNorm) first
         ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
         device=None, dtype=None):
-        num_features = whole_number(num_features, 'num_features')
+        num_features = whole_number(num_features, 'num_features', lo=0)   # 0: fastai's collab net has such a BatchNorm
         r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),whole_number(warmup, 'warmup', lo=0),whole_number(ramp, 'ramp', lo=0)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
