@@ -23,12 +23,16 @@ from .schedule import whole_number
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
 
-CHECK_CAUSES = ('loss_not_mean', 'n_items', 'batchnorm', 'dropout', 'not_per_sample', 'nonfinite', 'unexplained')
+CHECK_CAUSES = ('loss_not_mean', 'n_items', 'regularizer', 'batchnorm', 'dropout', 'not_per_sample', 'nonfinite', 'unexplained')
 CAUSE_ADVICE = dict(
     loss_not_mean="the loss sums over its items (e.g. reduction='sum') where its micro-batches are weighed as means: use "
                   "reduction='mean', or a torch/fastai loss class with reduction='sum' (accumulated as the sum it is)",
     n_items="the loss averages over a count other than the batch size (class weights, ignore_index, padding): pass "
             "GradientAccumulation(n_items=lambda learn: <that count of learn.yb>)",
+    regularizer="a callback adds a term to the loss (fastai's RNNRegularizer: AR/TAR) that averages over every position "
+                "of the padded batch, so micro-batches padded to other lengths weigh it otherwise than one batch does: "
+                "small and usually harmless; micro_bs (pieces of one loader batch share its padding) or alpha=beta=0 "
+                "give the big batch's gradient",
     batchnorm="BatchNorm normalises each micro-batch with its own statistics: BatchNormAccumulation('freeze') or "
               "'groupnorm' give the big batch's gradient; 'pool'/'momentum' keep the running statistics right and train "
               "on micro-batch statistics (ghost batch norm), usually harmless",
@@ -81,9 +85,9 @@ class AccumulationReport:
     __repr__ = __str__
 
 # -- taking the micro-batches ----------------------------------------------------------------------------------------------
-def _micro_batches(learn, n_step:int, size)->tuple[list,list]:
-    """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, and
-    where each comes from: `(rows start, rows end, loader batch size)`"""
+def _micro_batches(learn, n_step:int, size)->tuple[list,list,object]:
+    """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, where
+    each comes from: `(rows start, rows end, loader batch size)`, and that loader"""
     dl = learn.dls.train.new(shuffle=False, drop_last=False) if hasattr(learn.dls.train, 'new') else learn.dls.train
     out,where = [],[]
     for b in dl:
@@ -91,7 +95,7 @@ def _micro_batches(learn, n_step:int, size)->tuple[list,list]:
         n = find_bs(b)
         for s,e in (piece_bounds(n, size) if size else [(0, n)]):
             out.append(b if (s, e) == (0, n) else slice_batch(b, s, e)); where.append((s, e, n))
-            if len(out) == n_step: return out,where
+            if len(out) == n_step: return out,where,dl
     raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
                      "pass a smaller n_step")
 
@@ -140,18 +144,32 @@ class _View:
 
 # -- the experiments ---------------------------------------------------------------------------------------------------------
 class _Runner:
-    "Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches"
-    def __init__(self, learn, batches, model, ga, bna, where:list):
-        self.learn,self.batches,self.ga,self.bna = learn,[_split_xy(learn, b) for b in batches],ga,bna
+    """Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches.
+
+    Micro-batches are addressed by index into `batches`; `where[i]` says where micro-batch i comes from. Two sets of them
+    serve the output experiments: `exp` (the first two, which show a layer that mixes samples, or, on a model with
+    per-row state cut in pieces, up to the first piece of the second loader batch, where the state carries over) and
+    `clean` (the first micro-batch in two halves, each from its own rows of a stateful model's state: a set where one
+    batch and its parts compute the same on a per-sample model, so that BatchNorm's and dropout's effects show alone)"""
+    def __init__(self, learn, batches, model, ga, bna, where:list, dl=None):
+        self.learn,self.ga,self.bna,self.dl = learn,ga,bna,dl
+        self.batches = [_split_xy(learn, b) for b in batches]
         self.model0,self.replay = model,_replayed(learn)
         self.stateful = any(map(any, stateful_modules(model)))   # splittable or not: its state is copied per pass
+        self.where = list(where)
+        self.n_window = len(self.batches)   # the window's micro-batches; the halves below come after them
         # pieces of loader batches on a model with per-row state: each starts from its own rows, as under micro_bs
-        self.where = where
         self.cut_rows = self.stateful and any((s, e) != (0, n) for s,e,n in self.where)
-        # the output experiments' micro-batches: the first two (enough to see a layer mix samples), or on a model with
-        # per-row state cut in pieces, up to the first piece of the second loader batch (where its state carries over)
         starts = [i for i,(s,_,_) in enumerate(self.where) if s == 0 and i > 0]
         self.exp = list(range(starts[0]+1 if self.cut_rows and starts else min(2, len(self.batches))))
+        s,e,n = self.where[0]
+        if e-s >= 4:   # (halves of two items at least: BatchNorm cannot train on one)
+            m = s + (e-s)//2
+            xb,yb = self.batches[0]
+            self.batches += [(slice_batch(xb, 0, m-s), slice_batch(yb, 0, m-s)), (slice_batch(xb, m-s, e-s), slice_batch(yb, m-s, e-s))]
+            self.where += [(s, m, n), (m, e, n)]
+            self.clean = [self.n_window, self.n_window+1]
+        else: self.clean = self.exp
         self.model = copy_module(model)
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
@@ -161,6 +179,14 @@ class _Runner:
         p = next(iter(model.parameters()), None)
         self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.loss_terms = True   # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
+
+    @property
+    def window(self)->list: return list(range(self.n_window))
+    @property
+    def adds_loss_terms(self)->bool:
+        "Does a replayed callback add to the loss after it is computed (RNNRegularizer's AR/TAR)?"
+        return any(callable(getattr(type(cb), 'after_loss', None)) for cb in self.replay)
 
     def fresh(self):
         "The copy as the Learner's model is now (buffers, and any state a stateful model carries), the RNG as it was"
@@ -185,51 +211,71 @@ class _Runner:
         dev = _device(m).type
         return torch.autocast(dev, dtype=self.autocast) if self.autocast is not None else torch.autocast(dev, enabled=False)
 
-    def _forward(self, m, xb, yb, loss:bool=True):
-        """(raw output, prediction, loss) as the Learner's training step computes them: the model's output through the
-        callbacks' `after_pred`, the loss through their `after_loss` (see `_replayed`)"""
+    def _forward(self, m, xb, yb):
+        """(prediction, loss) as the Learner's training step computes them: the model's output through the callbacks'
+        `after_pred`, the loss through their `after_loss` (see `_replayed`)"""
         lf = self.learn.loss_func
         with self._ctx(m):
             raw = m(*xb)
-            if not self.replay: return raw,raw,(lf(raw, *yb) if loss else None)
+            if not self.replay: return raw,lf(raw, *yb)
         L = self.learn
         with _sandbox(L, self.replay):
             pred = self._pred(raw, xb, yb)
-            if not loss: return raw,pred,None
             with self._ctx(m): L.loss_grad = lf(pred, *yb)
             L.loss = L.loss_grad.clone()
-            _replay(L, self.replay, 'after_loss')
-            return raw,pred,L.loss_grad
+            if self.loss_terms: _replay(L, self.replay, 'after_loss')
+            return pred,L.loss_grad
 
     def _pred(self, raw, xb, yb):
-        "The model's output `raw` through the callbacks' `after_pred` (inside `_sandbox`)"
+        "The model's output `raw` through the callbacks' `after_pred`, what the loss sees (inside `_sandbox`)"
         L = self.learn
         L.xb,L.yb,L.pred,L.training = xb,yb,raw,True
         _replay(L, self.replay, 'after_pred')
         return L.pred
 
+    def _seen(self, raw, xb, yb):
+        "What the loss sees of the model's output `raw`, the Learner put back after"
+        if not self.replay: return raw
+        with _sandbox(self.learn, self.replay): return self._pred(raw, xb, yb)
+
     def joined(self, idxs)->tuple:
-        "`(xb, yb)` of one batch of the micro-batches `idxs`"
-        return tuple(cat_outputs([self.batches[i][k] for i in idxs]) for k in (0, 1))
+        """`(xb, yb)` of one batch of the micro-batches `idxs`: joined along the batch dimension, or, for micro-batches
+        padded to other lengths (text), the loader's own batch of those samples"""
+        try: return tuple(cat_outputs([self.batches[i][k] for i in idxs]) for k in (0, 1))
+        except RuntimeError: return self._collated(idxs)
+
+    def _collated(self, idxs):
+        "The first loader batch of a loader of the same samples with a batch of all the micro-batches `idxs`"
+        covered = list(idxs) == list(range(len(idxs))) and all(i < self.n_window for i in idxs) and \
+                  self.where[idxs[-1]][1] == self.where[idxs[-1]][2]   # the first whole loader batches
+        if not covered or self.dl is None or not hasattr(self.dl, 'new'):
+            raise ValueError("check_accumulation: the micro-batches have different shapes (padded to other lengths?) and "
+                             "are not whole loader batches, so one batch of them cannot be formed: pass an `n_step` of "
+                             "whole loader batches")
+        n = sum(e-s for s,e,_ in (self.where[i] for i in idxs))
+        b = next(iter(self.dl.new(bs=n, shuffle=False, drop_last=False)))   # (its order: the loader's own, unshuffled)
+        return _split_xy(self.learn, to_device(b, _device(self.model0)))
 
     def _pieces(self, m, idxs):
         "Yield the micro-batches `idxs` as `(xb, yb)`; a model with per-row state starts each piece from its own rows"
-        rows = RowStates(stateful_modules(m)[0] if self.cut_rows else [])
+        rows = RowStates(stateful_modules(m)[0] if (self.cut_rows or self.stateful) else [])
         for i in idxs:
             s,e,n = self.where[i]
-            if rows:
+            cut = (s, e) != (0, n)
+            if rows and cut:
                 if s == 0 or rows.n is None: rows.begin(n)
                 rows.enter(s, e)
             yield self.batches[i]
-            if rows:
+            if rows and cut:
                 rows.leave(s, e)
                 if e == n: rows.end()
 
-    def _count(self, xb, yb, pred, loss):
+    def _count(self, xb, yb, pred, loss)->float:
+        "Items the micro-batch's mean loss averages over (as the Learner's `GradientAccumulation` counts them), a float"
         ga,learn = self.ga,self.learn
         if ga is not None and ga.n_items is not None: n = ga.n_items(_View(learn, xb=xb, yb=yb, pred=pred, loss=loss))
         else: n = loss_items(learn.loss_func, yb)
-        return find_bs(yb if len(yb) else xb) if n is None else n
+        return float(find_bs(yb if len(yb) else xb) if n is None else n)
 
     def grads(self, accumulate:bool, bn=True, drop=True)->tuple[torch.Tensor,bool]:
         "(flat gradient, all finite) as the Learner's step would see it, or of the one big batch (names in `self.names`)"
@@ -239,21 +285,17 @@ class _Runner:
         summed = loss_reduction(lf) == 'sum'
         if accumulate:
             items,ref = 0.,None
-            self.trained_parts = []
-            for xb,yb in self._pieces(m, range(len(self.batches))):
-                raw,pred,loss = self._forward(m, xb, yb)
-                self.trained_parts.append(_flat_out(raw))
+            for xb,yb in self._pieces(m, self.window):
+                pred,loss = self._forward(m, xb, yb)
                 n = self._count(xb, yb, pred, loss)
-                n = n.detach().double() if isinstance(n, torch.Tensor) else float(n)
-                if ref is None: ref = max(float(n), 1.)
+                if ref is None: ref = max(n, 1.)
                 finite = finite and bool(torch.isfinite(loss).all())
                 (loss if summed else loss*(n/ref)).backward()
-                items = items + n
-            scale = 1. if summed else ref/float(items)
+                items += n
+            scale = 1. if summed else ref/items
         else:
-            xb,yb = self.joined(range(len(self.batches)))
-            raw,pred,loss = self._forward(m, xb, yb)
-            self.trained_whole = _flat_out(raw)
+            xb,yb = self.joined(self.window)
+            _,loss = self._forward(m, xb, yb)
             finite = bool(torch.isfinite(loss).all())
             loss.backward(); scale = 1.
         ps = [(n, p) for n,p in m.named_parameters() if p.requires_grad]
@@ -263,41 +305,46 @@ class _Runner:
         return flat,finite and math.isfinite(float(flat.norm()))   # an inf or NaN anywhere makes the norm so
 
     @torch.no_grad()
-    def outputs(self, bn:bool, drop:bool, keep:bool=False)->float:
-        """Relative difference of the outputs of the experiment's micro-batches (`exp`: the first two, which are enough to
-        see a layer mix samples and cost less than a window), run one after the other, from the output of one batch of them"""
-        whole = self.whole(bn, drop)
+    def outputs(self, idxs, bn:bool, drop:bool, keep:bool=False)->float:
+        """Relative difference between what the loss sees (the output through the callbacks' `after_pred`) of the
+        micro-batches `idxs` run one after the other and of one batch of them"""
+        whole = self.whole(idxs, bn, drop)
         m = self.fresh(); self.modes(m, bn, drop)
-        with self._ctx(m): preds = [m(*xb) for xb,_ in self._pieces(m, self.exp)]
-        if keep: self.quiet_preds,self.quiet_whole = preds,whole
-        return _rel(_flat_out(cat_outputs(preds)), whole)
+        with self._ctx(m): preds = [self._seen(m(*xb), xb, yb) for xb,yb in self._pieces(m, idxs)]
+        if keep: self.quiet_preds = preds
+        return _rel(_flat_out(cat_outputs(preds)), _flat_out(whole))
 
     @torch.no_grad()
-    def whole(self, bn:bool, drop:bool)->torch.Tensor:
-        "The output of one batch of the experiment's micro-batches, flattened"
+    def whole(self, idxs, bn:bool, drop:bool):
+        "What the loss sees of one batch of the micro-batches `idxs`"
         m = self.fresh(); self.modes(m, bn, drop)
-        xb,_ = self.joined(self.exp)
-        with self._ctx(m): return _flat_out(m(*xb))
+        xb,yb = self.joined(idxs)
+        with self._ctx(m): return self._seen(m(*xb), xb, yb)
 
     @torch.no_grad()
     def loss_split(self)->tuple[float,float]:
         """The loss of the experiment's micro-batches together against their own losses, on the same predictions (those
-        of the deterministic `outputs(False, False)` run): (error of the counts-weighted mean the Learner uses, error of
-        a plain sum)"""
-        lf,bs,(xb_all,yb_all) = self.learn.loss_func,[self.batches[i] for i in self.exp],self.joined(self.exp)
-        preds,whole = self.quiet_preds,cat_outputs(self.quiet_preds)
-        if self.replay:   # the outputs as the loss sees them (after the callbacks' `after_pred`)
-            with _sandbox(self.learn, self.replay):
-                preds = [self._pred(p, xb, yb) for p,(xb,yb) in zip(preds, bs)]
-                whole = self._pred(whole, xb_all, yb_all)
-        big = float(lf(whole, *yb_all))
+        of the deterministic `outputs(exp, False, False)` run): (error of the counts-weighted mean the Learner uses, error
+        of a plain sum)"""
+        lf,bs,(_,yb_all) = self.learn.loss_func,[self.batches[i] for i in self.exp],self.joined(self.exp)
+        big = float(lf(cat_outputs(self.quiet_preds), *yb_all))   # the same predictions, as one batch
         ls,ns = [],[]
-        for p,(xb,yb) in zip(preds, bs):
-            ls.append(float(lf(p, *yb))); ns.append(float(self._count(xb, yb, p, None)))
+        for p,(xb,yb) in zip(self.quiet_preds, bs):
+            ls.append(float(lf(p, *yb))); ns.append(self._count(xb, yb, p, None))
         if loss_reduction(lf) == 'sum': mean = sum(ls)
         else: mean = sum(l*n for l,n in zip(ls, ns) if n > 0)/max(sum(ns), 1e-30)
         d = max(abs(big), 1e-30)
         return abs(mean-big)/d, abs(sum(ls)-big)/d
+
+    def regularizer(self)->tuple[float,float]:
+        """The accumulated gradient against the big batch's with BatchNorm and dropout quiet, with the callbacks' loss
+        terms (AR/TAR) and without them"""
+        errs = []
+        for on in (True, False):
+            self.loss_terms = on
+            try: errs.append(_rel(self.grads(True, bn=False, drop=False)[0], self.grads(False, bn=False, drop=False)[0]))
+            finally: self.loss_terms = True
+        return tuple(errs)
 
 def _flat_out(o):
     if isinstance(o, torch.Tensor): return o.detach().double().reshape(-1)
@@ -342,7 +389,7 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
             if ga.micro_bs_mode == 'auto' and isinstance(bs, int) and bs >= 2 and (size is None or size >= bs):
                 # 'auto' has not cut a loader batch yet: checking one uncut batch against itself would say nothing.
                 # Check what its first out-of-memory error would run: each loader batch in two pieces
-                size = math.ceil(bs/2)
+                size = bs//2
                 n_step = n_step*len(piece_bounds(bs, size))
                 note = f"micro_bs='auto' has not cut a batch yet: checked at {size}, what its first halving runs"
     n_step = _whole_n_step(n_step)
@@ -353,12 +400,12 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              random.getstate(), np.random.get_state())
     try:
-        batches,where = _micro_batches(learn, n_step, size)
+        batches,where,dl = _micro_batches(learn, n_step, size)
         model = unwrap(learn.model)   # under DDP each rank checks its own samples, without collectives
         if bna is not None and bna.mode in ('groupnorm', 'renorm') and any(is_batchnorm(m) for m in model.modules()):
             from .batchnorm import MODES
             model = MODES[bna.mode](bna).convert(copy_module(model))   # as training will convert it, on a copy
-        rep = _check(learn, batches, model, ga, bna, n_step, where)
+        rep = _check(learn, batches, model, ga, bna, n_step, where, dl)
         rep.note = note
         return rep
     finally:
@@ -366,8 +413,8 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
         if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
         random.setstate(saved[2]); np.random.set_state(saved[3])
 
-def _check(learn, batches, model, ga, bna, n_step, where)->AccumulationReport:
-    r = _Runner(learn, batches, model, ga, bna, where)
+def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->AccumulationReport:
+    r = _Runner(learn, batches, model, ga, bna, where, dl)
     tol = _TOL.get(r.dtype, 1e-5)
     sizes = [find_bs(b) for b in batches]
     acc,fa = r.grads(True)
@@ -391,22 +438,30 @@ def _check(learn, batches, model, ga, bna, n_step, where)->AccumulationReport:
     if not (fa and fb):
         causes.append('nonfinite'); errors['nonfinite'] = math.inf
     else:
-        has_bn = any(isinstance(m, _BatchNorm) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
-        quiet = r.outputs(bn=False, drop=False, keep=True)
+        # a model that mixes the samples of a batch, or carries state from one loader batch to the next
+        quiet = r.outputs(r.exp, bn=False, drop=False, keep=True)
         if quiet > tol: causes.append('not_per_sample'); errors['not_per_sample'] = quiet
-        # dropout & co: only where training mode (BatchNorm aside) changes the output at all, then parts against whole
-        random_layers = _rel(r.whole(bn=False, drop=True), r.quiet_whole) > 0
-        if has_bn:   # without such layers, the trained run's own outputs are the experiment's (BatchNorm on, the rest off)
-            e = r.outputs(bn=True, drop=False) if random_layers else _rel(torch.cat(r.trained_parts), r.trained_whole)
-            if e > max(tol, 10*quiet): causes.append('batchnorm'); errors['batchnorm'] = e
-        if random_layers:
-            e = r.outputs(bn=False, drop=True)
-            if e > max(tol, 10*quiet): causes.append('dropout'); errors['dropout'] = e
+        # BatchNorm and dropout, each switched on alone on the halves of the first micro-batch (where the parts and the
+        # whole compute the same otherwise): a difference well above that of the quiet run is theirs
+        quiet_clean = r.outputs(r.clean, bn=False, drop=False) if r.clean != r.exp else quiet
+        has_bn = any(isinstance(m, _BatchNorm) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
+        if has_bn:
+            e = r.outputs(r.clean, bn=True, drop=False)
+            if e > max(tol, 10*quiet_clean): causes.append('batchnorm'); errors['batchnorm'] = e
+        if _rel(_flat_out(r.whole(r.clean, bn=False, drop=True)), _flat_out(r.whole(r.clean, bn=False, drop=False))) > 0:
+            e = r.outputs(r.clean, bn=False, drop=True)   # layers random in training: do the parts draw other masks?
+            if e > max(tol, 10*quiet_clean): causes.append('dropout'); errors['dropout'] = e
         mean_err,sum_err = r.loss_split()
         if mean_err > tol:
             c = 'loss_not_mean' if sum_err <= tol else 'n_items'
             causes.append(c); errors[c] = mean_err
-        if not causes: causes.append('unexplained'); errors['unexplained'] = err
+        if r.adds_loss_terms:   # AR/TAR over padded positions: the difference goes with the terms
+            with_terms,without = r.regularizer()
+            if with_terms > max(tol, 10*without): causes.append('regularizer'); errors['regularizer'] = with_terms
+        if not causes:   # before calling it unexplained: does the model mix samples anywhere in the window?
+            whole = r.outputs(r.window, bn=False, drop=False) if r.window != r.exp else quiet
+            if whole > tol: causes.append('not_per_sample'); errors['not_per_sample'] = whole
+            else: causes.append('unexplained'); errors['unexplained'] = err
     rep.causes = tuple(c for c in CHECK_CAUSES if c in causes)
     rep.errors = {c: errors[c] for c in rep.causes}
     rep.advice = {c: CAUSE_ADVICE[c] for c in rep.causes}
