@@ -341,3 +341,24 @@ def fsdp_way_in(rank, world_size, d, n=64, bs=4, n_epoch=2, seed=0, path='fsdp')
             sharded = None
     return dict(params=torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()]), sharded=sharded,
                 plain=type(learn.model).__name__, steps=learn.gradient_accumulation.steps)
+
+# -- the application matrix's distributed cells (tests/test_matrix.py) ---------------------------------------------
+def app_cells(rank, world_size, names):
+    """fastai's `distrib_ctx` (Accelerate's DDP, `DistributedDL`) on the matrix's applications: every step's gradient
+    against one batch of every rank's window (`apps.Oracle`, which all-reduces its reference under DDP)"""
+    from accum_callback.batchnorm import BatchNormAccumulation
+    from accum_callback.distributed import gloo_distributed_dl
+    from apps import ROWS, Oracle
+    out = {}
+    for name in names:
+        row = ROWS[name]
+        oracle = Oracle(row)
+        learn = row.make([GradientAccumulation(n_step=2), oracle, oracle.start] + ([BatchNormAccumulation('freeze')] if row.bn else []),
+                         **row.spans_kw)
+        check = learn.check_accumulation().exact   # each rank, before sharding: no collective
+        with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True), learn.no_bar(), learn.no_logging():
+            learn.fit(1)
+        out[name] = dict(errs=oracle.errs, steps=learn.gradient_accumulation.steps, check=check, ddp_steps=oracle.ddp_steps,
+                         sizes=list(learn.gradient_accumulation.window_sizes))
+        dist.barrier()
+    return out
