@@ -3,6 +3,8 @@ and each test re-executes one (small settings: no ACCUM_*_FULL flag) in a tempor
 - every code cell that has an output in the stored copy still produces an output of the same kind (text, image): a
   notebook whose stored outputs no longer come from its code fails;
 - nothing warns: no stderr output, no nbformat warning (cell ids), no missing-widget warning;
+- every figure shows data: an axes with no line with points, bar, image or marker fails (`nbs/execute.py`'s check, run
+  first in the kernel, reports it on stderr);
 - the stored copy has outputs on at least 80% of its code cells and at least one plot.
 `python nbs/execute.py` re-runs them and stores the outputs."""
 import warnings
@@ -14,6 +16,12 @@ nbformat = pytest.importorskip('nbformat')
 nbclient = pytest.importorskip('nbclient')
 
 NBS = sorted((Path(__file__).resolve().parents[1]/'nbs').glob('*.ipynb'))
+
+def _execute_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('nbs_execute', Path(__file__).resolve().parents[1]/'nbs'/'execute.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
 
 def kinds(cell)->set:
     "What a code cell showed: 'text' (streams, text/plain/html/markdown results) and 'image' (a PNG)"
@@ -41,10 +49,11 @@ def test_notebook(nb, tmp_path, cache, monkeypatch):
     assert sum(bool(c.outputs) for c in code) >= 0.8*len(code), 'stored outputs on at least 80% of the code cells'
     assert any('image' in kinds(c) for c in code), 'at least one stored plot'
     assert not any(stderr(c) for c in code), 'the stored copy warns'
-    run = nbformat.from_dict(stored)
+    run = _execute_module().with_plot_check(stored)
     for c in run.cells:
         if c.cell_type == 'code': c.outputs = []
     nbclient.NotebookClient(run, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}}).execute()
-    for i,(a,b) in enumerate(zip(code, [c for c in run.cells if c.cell_type == 'code'])):
+    assert not stderr(run.cells[0]), stderr(run.cells[0])
+    for i,(a,b) in enumerate(zip(code, [c for c in run.cells[1:] if c.cell_type == 'code'])):
         assert not stderr(b), f'{nb.name} code cell {i} writes to stderr (a warning?):\n{stderr(b)[:500]}'
         assert kinds(a) <= kinds(b), f'{nb.name} code cell {i}: stored outputs {kinds(a)}, now {kinds(b)}: stale, run nbs/execute.py'
