@@ -15,21 +15,25 @@ _API = dict(
     BatchRenorm='norm_layers', BatchRenorm1d='norm_layers', BatchRenorm2d='norm_layers', BatchRenorm3d='norm_layers',
     bn_to_groupnorm='norm_layers', bn_to_batchrenorm='norm_layers')
 __all__ = list(_API)
+# The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
+# (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
+# whichever name is used first, the Learner has them all.
+_LAYERS = ('modes', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'accumulate', 'batchnorm',
+           'check', 'fsdp')
 
-def _load(mod:str):
+def _load_all():
     import warnings
     with warnings.catch_warnings():   # fastai.layers calls the deprecated torch.jit.script at import: not the user's concern
         warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
-        return _importlib.import_module(f'{__name__}.{mod}')
+        for m in _LAYERS: _importlib.import_module(f'{__name__}.{m}')
+    for n in __all__: globals()[n] = getattr(_sys.modules[f'{__name__}.{_API[n]}'], n)
 
 def __getattr__(name:str):
     if name not in _API: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    v = getattr(_load(_API[name]), name)
-    globals()[name] = v
-    return v
+    if _API[name] == 'modes': return getattr(_importlib.import_module(f'{__name__}.modes'), name)   # needs no torch
+    _load_all()
+    return globals()[name]
 
 def __dir__(): return sorted(list(globals()) + __all__)
 
-if 'fastai.learner' in _sys.modules:
-    for _m in dict.fromkeys(_API.values()): _load(_m)
-    for _n in __all__: globals()[_n] = getattr(_sys.modules[f'{__name__}.{_API[_n]}'], _n)
+if 'fastai.learner' in _sys.modules: _load_all()

@@ -446,4 +446,3 @@ def accumulate(self:Learner,
     self.remove_cbs([c for c in self.cbs if isinstance(c, (GradientAccumulation, FastaiGradientAccumulation))])
     return self.add_cb(cb)
 
-from . import check as _check, fsdp as _fsdp   # noqa: E402,F401  `Learner.check_accumulation`, `to_fsdp`, FSDP2 save/load/export

@@ -287,6 +287,15 @@ class BatchNormAccumulation(Callback):
         store_attr()
         self.ga,self.active,self._warned = None,None,False
 
+    @property
+    def converts(self)->bool: "Does this mode replace the BatchNorm layers ('groupnorm', 'renorm')?"; return issubclass(MODES[self.mode], _Convert)
+
+    def convert(self, model):
+        """The model as this mode trains it: its BatchNorm layers replaced for 'groupnorm'/'renorm' (in place, the
+        Parameter objects kept; a new root only where the root is a BatchNorm), `model` itself for the other modes.
+        `learn.check_accumulation()` converts a copy with it, `learn.to_fsdp()` the model before sharding"""
+        return MODES[self.mode](self).convert(model) if self.converts else model
+
     # -- fit --------------------------------------------------------------------------------------------------------
     def before_fit(self):
         # `validate`/`get_preds`/`predict` send `before_fit` too, holding the Learner's lock: no conversion, no hooks and

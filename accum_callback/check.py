@@ -15,6 +15,8 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs, to_device
 from fastcore.basics import patch
 
+from .accumulate import GradientAccumulation
+from .batchnorm import BatchNormAccumulation
 from .distributed import is_fsdp, unwrap
 from .losses import loss_items, loss_reduction
 from .micro import RowStates, cat_outputs, copy_module, is_out_of_memory, slice_batch, piece_bounds, stateful_modules
@@ -375,8 +377,6 @@ def _whole_n_step(n_step)->int:
 def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     """Compare the gradient `learn` accumulates over `n_step` micro-batches of its training loader with the gradient of
     one batch of exactly those samples, and say why they differ (see `AccumulationReport`). Changes nothing."""
-    from .accumulate import GradientAccumulation
-    from .batchnorm import BatchNormAccumulation
     ga = next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
     bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
     size,note = (ga.micro_bs if ga is not None else None),''
@@ -402,9 +402,8 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     try:
         batches,where,dl = _micro_batches(learn, n_step, size)
         model = unwrap(learn.model)   # under DDP each rank checks its own samples, without collectives
-        if bna is not None and bna.mode in ('groupnorm', 'renorm') and any(is_batchnorm(m) for m in model.modules()):
-            from .batchnorm import MODES
-            model = MODES[bna.mode](bna).convert(copy_module(model))   # as training will convert it, on a copy
+        if bna is not None and bna.converts and any(is_batchnorm(m) for m in model.modules()):
+            model = bna.convert(copy_module(model))   # as training will convert it, on a copy
         rep = _check(learn, batches, model, ga, bna, n_step, where, dl)
         rep.note = note
         return rep

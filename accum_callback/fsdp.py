@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 from fastai.learner import Learner
 from fastcore.basics import patch
 
+from .batchnorm import BatchNormAccumulation
 from .distributed import gloo_distributed_dl, is_fsdp, unwrap
 from .micro import copy_module
 
@@ -72,9 +73,8 @@ def to_fsdp(self:Learner,
     own = _init_group()
     model = unwrap(self.model)
     if is_fsdp(model): raise ValueError("to_fsdp: the model is sharded already (by `fully_shard`); use it as it is")
-    from .batchnorm import BatchNormAccumulation, MODES
     bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
-    if bna is not None and bna.mode in ('groupnorm', 'renorm'): model = MODES[bna.mode](bna).convert(model)
+    if bna is not None: model = bna.convert(model)
     dev = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
     model = model.to(dev)
     if mesh is None: mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
