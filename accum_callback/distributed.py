@@ -1,7 +1,7 @@
 """What the ranks agree on, under DDP and FSDP2: the no-sync rule (only the micro-batch that steps all-reduces or
 reduce-scatters), window totals summed over ranks, SyncBatchNorm's global counts, FSDP2's held unsharded gradients;
 `count_allreduces` / `count_collectives` to check the rule, and fastai's DDP path on CPU (gloo)"""
-import contextlib, functools
+import contextlib, sys
 
 import torch, torch.nn as nn
 import torch.distributed as dist
@@ -16,29 +16,27 @@ __all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter
 
 def is_ddp(model)->bool: return isinstance(model, DistributedDataParallel)
 
-@functools.lru_cache(maxsize=None)
-def _fsdp_cls():
-    try: from torch.distributed.fsdp import FSDPModule
-    except ImportError: return None
-    return FSDPModule
+def _fsdp(name:str):
+    """`torch.distributed.fsdp.<name>` if something has loaded torch's FSDP package, else None: a model can only be
+    sharded once it is loaded, and a plain fit should not load it (about 60 MiB of peak memory with DTensor)"""
+    return getattr(sys.modules.get('torch.distributed.fsdp'), name, None)
 
 def is_fsdp(model)->bool:
     "Is `model` sharded with FSDP2's `fully_shard` (its root, as FSDP2 asks), by whoever sharded it?"
-    c = _fsdp_cls()
+    c = _fsdp('FSDPModule')
     return c is not None and isinstance(unwrap(model), c)
 
 def is_distributed(model)->bool: "DDP or FSDP2: gradients are reduced over ranks"; return is_ddp(model) or is_fsdp(model)
 
 def fsdp_modules(model)->list:
     "The FSDP2-sharded modules of `model` (FSDPModule instances), root first"
-    c = _fsdp_cls()
+    c = _fsdp('FSDPModule')
     return [] if c is None else [m for m in unwrap(model).modules() if isinstance(m, c)]
 
 def check_fsdp(model):
     "Refuse sharding setups whose gradients we cannot hold or sum correctly, with the way that works"
-    try: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-    except ImportError: FSDP1 = ()
-    if any(isinstance(m, FSDP1) for m in unwrap(model).modules()):
+    FSDP1 = _fsdp('FullyShardedDataParallel')
+    if FSDP1 is not None and any(isinstance(m, FSDP1) for m in unwrap(model).modules()):
         raise ValueError("GradientAccumulation: the model is wrapped in FSDP1 (`FullyShardedDataParallel`, e.g. by "
                          "Accelerate's FSDP plugin through fastai's `distrib_ctx`), whose accumulation we do not support. "
                          "Shard it with FSDP2 instead: `learn.to_fsdp()` (or `learn.fsdp_ctx()`), see docs/distributed.md")
