@@ -1,5 +1,5 @@
 "Exact gradient accumulation for fastai, and the BatchNorm problem accumulation creates, solved"
-__version__ = '0.1.0'
+__version__ = '0.2.0'   # the one place: setup.cfg reads it; CHANGELOG.md says what changed
 
 import importlib as _importlib, sys as _sys
 
@@ -18,7 +18,7 @@ __all__ = list(_API)
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
-_LAYERS = ('modes', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'accumulate', 'batchnorm',
+_LAYERS = ('modes', 'compat', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'accumulate', 'batchnorm',
            'check', 'fsdp')
 
 def _load_all():

@@ -11,6 +11,7 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
+from .compat import compiled_with_cuda_graphs, foreach
 from .distributed import (all_reduce_grads, check_fsdp, discard_unsharded_grads, enter_no_sync, exit_no_sync, is_distributed,
                           is_fsdp, set_resharding, sum_over_ranks, world_size)
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
@@ -21,18 +22,6 @@ from .schedule import WindowSchedule, as_window_schedule
 __all__ = ['GradientAccumulation', 'Window', 'MicroBatches', 'PARTIAL_MODES', 'is_out_of_memory']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
-
-def _records_cuda_graphs(model)->bool:
-    "Is any part of `model` a `torch.compile` module whose backend records CUDA graphs (mode='reduce-overhead'/'max-autotune')?"
-    for m in model.modules():
-        if not hasattr(m, '_orig_mod'): continue
-        f = getattr(getattr(m, 'dynamo_ctx', None), 'callback', None)
-        for _ in range(8):   # CatchErrorsWrapper -> ConvertFrame -> backend wrapper with the inductor options
-            if f is None: break
-            cfg = getattr(f, 'config', None)
-            if isinstance(cfg, dict) and cfg.get('triton.cudagraphs'): return True
-            f = getattr(f, '_torchdynamo_orig_backend', None)
-    return False
 
 class Window:
     """The accumulation window in progress, as a plain record: `learn.gradient_accumulation.window`. Its writes skip
@@ -173,7 +162,7 @@ class GradientAccumulation(Callback):
                                  "and skip steps. Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` "
                                  "(or use `learn.accumulate(...)`, which replaces it)")
         check_fsdp(self.learn.model)
-        if _records_cuda_graphs(self.learn.model):
+        if compiled_with_cuda_graphs(self.learn.model):
             raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): their "
                              "reused output buffers corrupt gradients accumulated over several backward passes (PyTorch "
                              "issues 96693, 181723). Compile with `mode='default'` or `mode='max-autotune-no-cudagraphs'`")
@@ -317,7 +306,7 @@ class GradientAccumulation(Callback):
         else: world = world_size(self.learn.model)   # DDP averaged the gradients over the ranks
         scale = float(world) if w.summed else float(w.ref)*world/items   # DDP averaged over the ranks: undo that for a sum
         grads = [p.grad for p,*_ in self.learn.opt.all_params(with_grad=True)]
-        if grads and scale != 1.: torch._foreach_mul_(grads, scale)
+        if grads and scale != 1.: foreach('mul_')(grads, scale)
         self._use_window_hypers()
         w.log = (w.n_samples, items, loss_sum/items, w.n_micro)
 

@@ -10,6 +10,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
+from .compat import foreach, module_dicts
 from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
 from .modes import BN_MODES
@@ -95,7 +96,7 @@ class PooledStats:
             if not bn.training: return
             j = len(bank.counts[l]) + bank.n_pend[l]
             if j >= bank.cap: bank.grow(max(j+1, 2*bank.cap))
-            b = bn._buffers   # the dict itself: `Module.__setattr__` costs more than the rest of the hook
+            b = module_dicts(bn)[0]   # the dict itself: `Module.__setattr__` costs more than the rest of the hook
             stash[l] = (b['running_mean'], b['running_var'], b['num_batches_tracked'])
             b['running_mean'],b['running_var'] = bank.views[l][j]
             if stash[l][2] is not None: b['num_batches_tracked'] = bank.scratch
@@ -103,7 +104,7 @@ class PooledStats:
             s = stash[l]
             if s is None: return
             stash[l] = None
-            b = bn._buffers
+            b = module_dicts(bn)[0]
             b['running_mean'],b['running_var'],b['num_batches_tracked'] = s
             bank.pending.append((l, inp[0].numel()//bn.num_features*world)); bank.n_pend[l] += 1
         return pre,post
@@ -122,7 +123,7 @@ class PooledStats:
         "Put back the buffers of a forward that raised between the two hooks"
         for l,s in enumerate(self.stash):
             if s is not None:
-                b = self.bns[l]._buffers; b['running_mean'],b['running_var'],b['num_batches_tracked'] = s; self.stash[l] = None
+                b = module_dicts(self.bns[l])[0]; b['running_mean'],b['running_var'],b['num_batches_tracked'] = s; self.stash[l] = None
 
     @torch.no_grad()
     def close(self, stepped:bool):
@@ -155,9 +156,9 @@ class PooledStats:
         mean,var = pooled_mean_var(table[:J], st[:,0], st[:,1])
         rms,rvs = [bn.running_mean for bn in self.bns],[bn.running_var for bn in self.bns]
         new = torch.cat(rms + rvs).view(2, -1).double().lerp_(torch.stack([mean, var]), table[J]).to(self.dtype)
-        torch._foreach_copy_(rms + rvs, list(new.view(-1).split(self.sizes*2)))
+        foreach('copy_')(rms + rvs, list(new.view(-1).split(self.sizes*2)))
         called = [bn.num_batches_tracked for bn,c in zip(self.bns, self.counts) if c and bn.num_batches_tracked is not None]
-        if called: torch._foreach_add_(called, 1)
+        if called: foreach('add_')(called, 1)
 
 # -- modes: what BatchNormAccumulation does at the start of fit, per micro-batch, per window and at the end -----------
 class _Mode:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 from fastai.callback.fp16 import MixedPrecision
 from fastai.learner import Learner
 from fastai.torch_core import find_bs, to_device
@@ -17,6 +16,7 @@ from fastcore.basics import patch
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
+from .compat import BatchNormBase
 from .distributed import is_fsdp, unwrap
 from .losses import loss_items, loss_reduction
 from .micro import RowStates, cat_outputs, copy_module, is_out_of_memory, slice_batch, piece_bounds, stateful_modules
@@ -207,7 +207,7 @@ class _Runner:
         m.train(drop)
         frozen = self.bna is not None and self.bna.mode == 'freeze'
         for mod in m.modules():
-            if isinstance(mod, _BatchNorm): mod.train(bn and not frozen)   # BatchNorm, SyncBatchNorm, Batch Renorm
+            if isinstance(mod, BatchNormBase): mod.train(bn and not frozen)   # BatchNorm, SyncBatchNorm, Batch Renorm
 
     def _ctx(self, m):
         dev = _device(m).type
@@ -443,7 +443,7 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
         # BatchNorm and dropout, each switched on alone on the halves of the first micro-batch (where the parts and the
         # whole compute the same otherwise): a difference well above that of the quiet run is theirs
         quiet_clean = r.outputs(r.clean, bn=False, drop=False) if r.clean != r.exp else quiet
-        has_bn = any(isinstance(m, _BatchNorm) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
+        has_bn = any(isinstance(m, BatchNormBase) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
         if has_bn:
             e = r.outputs(r.clean, bn=True, drop=False)
             if e > max(tol, 10*quiet_clean): causes.append('batchnorm'); errors['batchnorm'] = e

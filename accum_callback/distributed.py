@@ -8,6 +8,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
+
 __all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
            'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'fsdp_group_count',
@@ -40,6 +42,11 @@ def check_fsdp(model):
         raise ValueError("GradientAccumulation: the model is wrapped in FSDP1 (`FullyShardedDataParallel`, e.g. by "
                          "Accelerate's FSDP plugin through fastai's `distrib_ctx`), whose accumulation we do not support. "
                          "Shard it with FSDP2 instead: `learn.to_fsdp()` (or `learn.fsdp_ctx()`), see docs/distributed.md")
+    if is_fsdp(model) and not fsdp_grads_reachable(fsdp_modules(model)):
+        raise ValueError(f"GradientAccumulation under FSDP2 discards the gradients FSDP2 holds unsharded when a window ends "
+                         f"without a step, and torch {TORCH} keeps them where accum_callback does not reach them "
+                         "(FSDPModule._get_fsdp_state()._fsdp_param_groups): use DDP or a torch of the tested range "
+                         "(docs/versions.md), and please report it")
     if not is_fsdp(model) and fsdp_modules(model):
         raise ValueError("GradientAccumulation: parts of the model are sharded with FSDP2's `fully_shard` but not its root: "
                          "call `fully_shard(model)` after its blocks (FSDP2's own advice), or use `learn.to_fsdp()`")
@@ -70,19 +77,14 @@ def exit_no_sync(ctx):
     if ctx is not None: ctx.__exit__(None, None, None)
 
 def _fsdp_params(model):
-    "FSDP2's per-parameter records (torch internals: `FSDPModule._get_fsdp_state()._fsdp_param_groups`)"
+    "FSDP2's per-parameter records (torch internals, reached through `compat`)"
     for m in fsdp_modules(model):
-        st = m._get_fsdp_state()
-        for g in getattr(st, '_fsdp_param_groups', None) or []:
-            yield from g.fsdp_params
+        for g in fsdp_param_groups(m) or []: yield from g.fsdp_params
 
 def discard_unsharded_grads(model):
     """Drop the gradients FSDP2 holds unsharded between backward passes without sync (where the optimizer's
     `zero_grad` does not reach): a window that ends without its step must not leak into the next"""
-    for fp in _fsdp_params(model):
-        if getattr(fp, 'unsharded_accumulated_grad', None) is not None: fp.unsharded_accumulated_grad = None
-        up = fp.__dict__.get('_unsharded_param')
-        if up is not None and up.grad is not None: up.grad = None
+    for fp in _fsdp_params(model): clear_held_grads(fp)
 
 def set_resharding(model, forward:bool, backward:bool, now:bool=False):
     "FSDP2: whether parameters are freed (resharded) after each forward / backward; `now`: reshard them at once"
@@ -93,16 +95,13 @@ def set_resharding(model, forward:bool, backward:bool, now:bool=False):
 
 def fsdp_group_count(model)->int:
     "FSDP2 parameter groups of `model`: each reduce-scatters once in a synchronised backward (a round)"
-    return sum(len(getattr(m._get_fsdp_state(), '_fsdp_param_groups', None) or []) for m in fsdp_modules(model))
+    return sum(len(fsdp_param_groups(m) or []) for m in fsdp_modules(model))
 
 def held_grad_bytes(model)->tuple[int,int]:
     "(unsharded, sharded) gradient bytes FSDP2's parameters hold on this rank now"
     u = s = 0
     for fp in _fsdp_params(model):
-        g = getattr(fp, 'unsharded_accumulated_grad', None)
-        if g is None:
-            up = fp.__dict__.get('_unsharded_param')
-            g = up.grad if up is not None else None
+        g = held_unsharded_grad(fp)
         if g is not None: u += g.numel()*g.element_size()
         sg = getattr(getattr(fp, 'sharded_param', None), 'grad', None)
         if sg is not None: sg = _local(sg); s += sg.numel()*sg.element_size()
@@ -128,9 +127,9 @@ def all_reduce_grads(params:list):
     by_dtype = {}
     for p in params: by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for gs in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(gs)
+        flat = torch.cat([g.reshape(-1) for g in gs])
         dist.all_reduce(flat)
-        torch._foreach_copy_(gs, list(torch._utils._unflatten_dense_tensors(flat, gs)))
+        foreach('copy_')(gs, [f.view_as(g) for f,g in zip(flat.split([g.numel() for g in gs]), gs)])
 
 def sync_batchnorm_world(bn)->int:
     """How many ranks' micro-batches a layer's batch statistics cover: the process group's size for a `SyncBatchNorm`

@@ -9,11 +9,11 @@ import contextlib, copy, functools, gc, os, warnings
 
 import torch, torch.nn as nn
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 from fastai.learner import Learner
 from fastcore.basics import patch
 
 from .batchnorm import BatchNormAccumulation
+from .compat import tree_map
 from .distributed import gloo_distributed_dl, is_fsdp, unwrap
 from .micro import copy_module
 
@@ -66,7 +66,11 @@ def to_fsdp(self:Learner,
     """Shard `learn.model` with FSDP2 block by block, then its root; rebuild the optimizer on the sharded parameters;
     cut the data per rank. A `BatchNormAccumulation('groupnorm'/'renorm')` on the Learner converts the model first (a
     sharded model cannot be converted). Launch with `torchrun`; `learn.from_fsdp()` puts everything back"""
-    from torch.distributed.fsdp import fully_shard
+    try: from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        raise ImportError(f"learn.to_fsdp needs FSDP2 (`torch.distributed.fsdp.fully_shard`, public from torch 2.6), which "
+                          f"torch {torch.__version__} does not have; accum_callback's FSDP2 is tested from torch 2.14 "
+                          "(docs/versions.md). Use DDP (`learn.distrib_ctx()`) or a newer torch") from None
     from torch.distributed.device_mesh import init_device_mesh
     from fastai.distributed import DistributedDL
     if getattr(self, 'fsdp_state', None) is not None: raise ValueError("to_fsdp: the Learner is sharded already")

@@ -13,6 +13,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs
 
+from .compat import BatchNormBase, OutOfMemoryError, autocast_enabled, foreach, tree_flatten, tree_unflatten
 from .distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks, unwrap
 from .losses import loss_items, loss_reduction
 
@@ -24,7 +25,7 @@ _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC
 
 def is_out_of_memory(e:BaseException)->bool:
     "Does `e` say the micro-batch did not fit: `torch.OutOfMemoryError`, or a RuntimeError that means the same"
-    if isinstance(e, torch.OutOfMemoryError): return True
+    if isinstance(e, OutOfMemoryError): return True
     return isinstance(e, RuntimeError) and any(t in str(e) for t in _OOM_TEXTS)
 
 def _cut(s:int, n:int, size:int, nom=None)->tuple:
@@ -66,7 +67,6 @@ def cat_outputs(outs:list):
 def _computed_tensors(model:nn.Module, depth:int=3):
     """Tensors computed in a forward (not graph leaves) that the modules keep as attributes, inside lists, tuples and dicts
     too, or that objects they hold keep (fastai's `Hook.stored`, in a U-Net's blocks), up to `depth` objects away"""
-    from torch.utils._pytree import tree_flatten
     seen,level = set(),[vars(m) for m in model.modules()]
     for _ in range(depth):
         nxt = []
@@ -93,14 +93,12 @@ class StatefulModelError(ValueError):
 
 def _flat(state)->tuple[list,object]:
     "The tensors of a batch state (a tensor, or tuples/lists of them) and how to put them back together"
-    from torch.utils._pytree import tree_flatten
     leaves,spec = tree_flatten(state)
     if not all(isinstance(t, torch.Tensor) for t in leaves):
         raise TypeError("a batch state must be a tensor or tuples/lists of tensors, got " + ', '.join(sorted({type(t).__name__ for t in leaves})))
     return leaves,spec
 
 def _unflat(leaves, spec):
-    from torch.utils._pytree import tree_unflatten
     return tree_unflatten(list(leaves), spec)
 
 class _AWDState:
@@ -446,7 +444,7 @@ class MicroBatcher:
         "(BatchNorm buffers and their snapshot copies, Batch Renorm layers, parameters), gathered once per fit"
         if self._state is None:
             learn,model = self.learn,self.learn.model
-            bufs = [t for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            bufs = [t for m in model.modules() if isinstance(m, BatchNormBase)
                     for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
             renorms = [m for m in model.modules() if hasattr(m, 'renorm_steps')]
             params = [p for p,*_ in learn.opt.all_params()] if getattr(learn, 'opt', None) else list(model.parameters())
@@ -461,14 +459,14 @@ class MicroBatcher:
         snap = dict(rng=torch.get_rng_state(), py=random.getstate(), dev=dev,
                     cuda=torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None,
                     window=window, renorm=[m.renorm_steps for m in st['renorms']],
-                    autocast=torch.is_autocast_enabled(dev.type) if dev.type in ('cuda', 'cpu') else False, grads=open_)
-        if st['bufs']: torch._foreach_copy_(st['buf_copy'], st['bufs'])
+                    autocast=autocast_enabled(dev.type) if dev.type in ('cuda', 'cpu') else False, grads=open_)
+        if st['bufs']: foreach('copy_')(st['buf_copy'], st['bufs'])
         if open_:   # an open window: its accumulated gradient (else the gradients are zero)
             ps = [p for p in st['params'] if p.grad is not None]
             gc_ = st['grad_copy']
             if gc_ is None or len(gc_[0]) != len(ps) or any(a is not b for a,b in zip(gc_[0], ps)):
                 st['grad_copy'] = (ps, [torch.empty_like(p.grad) for p in ps])
-            if ps: torch._foreach_copy_(st['grad_copy'][1], [p.grad for p in ps])
+            if ps: foreach('copy_')(st['grad_copy'][1], [p.grad for p in ps])
         return snap
 
     def undo(self, drop:bool=True):
@@ -476,7 +474,7 @@ class MicroBatcher:
         learn,snap,st = self.learn,self.snap,self._state
         if drop: learn.pred = learn.loss = learn.loss_grad = None   # the attempt's tensors (kept for a cancel's `after_batch`)
         dev = snap['dev']
-        if dev.type in ('cuda', 'cpu') and torch.is_autocast_enabled(dev.type) and not snap['autocast']:
+        if dev.type in ('cuda', 'cpu') and autocast_enabled(dev.type) and not snap['autocast']:
             for cb in learn.cbs:   # MixedPrecision enters autocast in `before_batch` and leaves it in `after_loss`
                 if isinstance(cb, MixedPrecision) and getattr(cb, 'autocast', None) is not None: cb.autocast.__exit__(None, None, None)
         for f in list(self.undo_listeners): f()
@@ -484,11 +482,11 @@ class MicroBatcher:
         if dev.type == 'cuda': torch.cuda.empty_cache()
         torch.set_rng_state(snap['rng']); random.setstate(snap['py'])
         if snap['cuda'] is not None: torch.cuda.set_rng_state(snap['cuda'], dev)
-        if st['bufs']: torch._foreach_copy_(st['bufs'], st['buf_copy'])
+        if st['bufs']: foreach('copy_')(st['bufs'], st['buf_copy'])
         for m,v in zip(st['renorms'], snap['renorm']): m.renorm_steps = v
         if snap['grads'] and st['grad_copy'] is not None:
             ps,copy = st['grad_copy']
-            torch._foreach_copy_([p.grad for p in ps], copy)
+            foreach('copy_')([p.grad for p in ps], copy)
             kept = set(map(id, ps))
             for p in st['params']:
                 if p.grad is not None and id(p) not in kept: p.grad.zero_()

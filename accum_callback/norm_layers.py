@@ -5,8 +5,8 @@ import warnings
 from numbers import Real
 
 import torch, torch.nn as nn, torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from .compat import BatchNormBase, foreach, module_dicts
 from .schedule import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
@@ -19,12 +19,12 @@ def _real(v, name:str, lo:float)->float:
 
 # -- module conversion ------------------------------------------------------------------------------------------------
 def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
-    "Replace each `_BatchNorm` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
+    "Replace each `BatchNormBase` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
     memo = {} if memo is None else memo
     if is_batchnorm(module):
         if id(module) not in memo: memo[id(module)] = fn(module, name or '<root>')
         return memo[id(module)]
-    for n,child in list(module._modules.items()):   # not `named_children`, which skips a module's second name
+    for n,child in list(module_dicts(module)[1].items()):   # not `named_children`, which skips a module's second name
         if child is None: continue
         new = _convert(child, fn, f'{name}.{n}' if name else n, memo)
         if new is not child: module.add_module(n, new)
@@ -32,7 +32,7 @@ def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
 
 def is_batchnorm(m)->bool:
     "A BatchNorm layer to convert or treat (1d/2d/3d, SyncBatchNorm, timm's norm-act; a `BatchRenorm` is one to fastai, not here)"
-    return isinstance(m, _BatchNorm) and not isinstance(m, BatchRenorm)
+    return isinstance(m, BatchNormBase) and not isinstance(m, BatchRenorm)
 
 def is_converted_norm(m)->bool:
     "A GroupNorm made by `bn_to_groupnorm` or a `BatchRenorm`: fastai should treat its parameters as BatchNorm's"
@@ -88,8 +88,8 @@ def bn_to_groupnorm(
                              "outputs only its bias; give a smaller `num_groups`", stacklevel=2)
     return res
 
-class BatchRenorm(_BatchNorm):
-    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input: a `_BatchNorm` with
+class BatchRenorm(BatchNormBase):
+    """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input: a `BatchNormBase` with
     BatchNorm's parameters, buffers and state-dict keys. Training normalises with the batch statistics corrected towards
     the running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
     clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`, `d_max` start at 1, 0
@@ -165,10 +165,10 @@ def _renorm(x, w, b, rm, rv, eps, r_max, d_max, m, fp32=False):
     with torch.no_grad():
         mean,var = _batch_stats(xf)
         if var.dtype != rm.dtype: var,mean = var.to(rm.dtype),mean.to(rm.dtype)
-        std_b,std = torch._foreach_add([var, rv], eps)
-        torch._foreach_sqrt_([std_b, std])
-        rd = torch._foreach_div([std_b, mean.sub_(rm)], [std, std])   # r = std_B/std, d = (mean_B-mean)/std
-        torch._foreach_clamp_min_(rd, [1/r_max, -d_max]); torch._foreach_clamp_max_(rd, [r_max, d_max])
+        std_b,std = foreach('add')([var, rv], eps)
+        foreach('sqrt_')([std_b, std])
+        rd = foreach('div')([std_b, mean.sub_(rm)], [std, std])   # r = std_B/std, d = (mean_B-mean)/std
+        foreach('clamp_min_')(rd, [1/r_max, -d_max]); foreach('clamp_max_')(rd, [r_max, d_max])
     r,d = rd
     w2,b2 = (r, d) if w is None else (w*r, torch.addcmul(b, w, d))
     return F.batch_norm(xf, rm, rv, w2, b2, True, m, eps).to(x.dtype)
@@ -204,7 +204,7 @@ def _renorm_cls(bn):
     if act: return BatchRenormAct
     if isinstance(bn, nn.BatchNorm1d): return BatchRenorm1d
     if isinstance(bn, nn.BatchNorm3d): return BatchRenorm3d
-    return BatchRenorm   # SyncBatchNorm and other _BatchNorm subclasses: any dimension
+    return BatchRenorm   # SyncBatchNorm and other BatchNormBase subclasses: any dimension
 
 def bn_to_batchrenorm(
     module:nn.Module, # a model (or a single BatchNorm layer)

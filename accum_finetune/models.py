@@ -98,4 +98,5 @@ def load_weights(model:nn.Module, weights:str, arch:str)->int:
     return len(keep)
 
 def has_batchnorm(model:nn.Module)->bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    from accum_callback.norm_layers import is_batchnorm
+    return any(is_batchnorm(m) for m in model.modules())

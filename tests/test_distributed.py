@@ -64,10 +64,14 @@ SCENARIOS = dict(
     fsdp_root_only_blocks = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=dict(root=False)),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
+import torch.distributed.fsdp as _fsdp_pkg
+HAS_FSDP2 = hasattr(_fsdp_pkg, 'fully_shard')   # public from torch 2.6; the oldest tier of the version matrix has 2.4
+needs_fsdp2 = pytest.mark.skipif(not HAS_FSDP2, reason=f'FSDP2 (torch.distributed.fsdp.fully_shard) is not in torch {torch.__version__}')
 
 @pytest.fixture(scope='module')
 def runs():
     scen = SCENARIOS if HAS_ACCELERATE else {k:v for k,v in SCENARIOS.items() if not k.startswith('fastai_path')}
+    if not HAS_FSDP2: scen = {k:v for k,v in scen.items() if not v.get('fsdp')}
     r0,r1 = W.spawn(W.run_many, scenarios=scen, timeout=60)
     return {k: (r0[k], r1[k]) for k in scen}
 
@@ -223,6 +227,7 @@ def test_check_accumulation_on_each_rank(runs):
             assert r['check']['sizes'] == [4]*4 and r['check']['causes'] == causes and r['check']['exact'] == (not causes)
 
 # issue 22: FSDP2 ------------------------------------------------------------------------------------------------------
+@needs_fsdp2
 def test_fsdp_one_reduce_scatter_round_per_window(runs):
     """Micro-batches that do not step skip FSDP2's reduce-scatter; the one that steps reduce-scatters every group once.
     `sharded_grads=True` reduce-scatters every micro-batch instead (k rounds); `gathered_params=True` all-gathers once
@@ -240,6 +245,7 @@ def test_fsdp_one_reduce_scatter_round_per_window(runs):
         a,b = get(runs, name)
         assert torch.equal(a['params'], b['params']); check_large_batch(a, b)
 
+@needs_fsdp2
 @pytest.mark.parametrize('name,items', [('fsdp_uneven', [30., 30.]), ('fsdp_tokens', None), ('fsdp_t12_drop', [24.]*2),
                                         ('fsdp_t12_carry', [24., 22.]), ('fsdp_n3_step', [24., 6.]*2)])
 def test_fsdp_global_item_weighted_mean(runs, name, items):
@@ -250,6 +256,7 @@ def test_fsdp_global_item_weighted_mean(runs, name, items):
     assert r0['window_items'] == r1['window_items'] and (items is None or r0['window_items'] == items)
     check_large_batch(r0, r1, tokens=name == 'fsdp_tokens')
 
+@needs_fsdp2
 @pytest.mark.parametrize('fsdp,ddp,tol', [('fsdp_clip', 'ddp_clip', 1e-12), ('fsdp_bf16', 'ddp_bf16', 1e-6),
                                           ('fsdp_fp16', 'ddp_fp16', 1e-6)])
 def test_fsdp_clipping_and_mixed_precision_as_under_ddp(runs, fsdp, ddp, tol):
@@ -257,11 +264,13 @@ def test_fsdp_clipping_and_mixed_precision_as_under_ddp(runs, fsdp, ddp, tol):
     window, on the CPU's autocast here): the weights DDP reaches, which are exact there"""
     for a,b in zip(get(runs, fsdp), get(runs, ddp)): assert rel_err(a['params'], b['params']) <= tol
 
+@needs_fsdp2
 def test_fsdp_nonfinite_window_skipped_on_every_rank(runs):
     r0,r1 = get(runs, 'fsdp_nan')
     assert r0['n_skipped'] == r1['n_skipped'] == 2 and r0['steps'] == 2   # rank 1's NaN sample: both ranks skip
     check_large_batch(r0, r1)
 
+@needs_fsdp2
 def test_fsdp_fit_cancelled_mid_window_leaves_nothing(runs):
     "A fit cancelled in the middle of a window holds no unsharded gradient after it; the next fit is exact"
     r0,r1 = get(runs, 'fsdp_cancel')
@@ -270,11 +279,13 @@ def test_fsdp_fit_cancelled_mid_window_leaves_nothing(runs):
     ref = W.large_batch_reference([r0['windows'], r1['windows']])
     assert rel_err(r0['params'], ref) < TOL and rel_err(r1['params'], ref) < TOL
 
+@needs_fsdp2
 def test_fsdp_fixed_micro_bs(runs):
     r0,r1 = get(runs, 'fsdp_micro3')
     assert r0['collectives']['rs'] == r0['collectives']['groups']*r0['steps']
     check_large_batch(r0, r1)
 
+@needs_fsdp2
 def test_fsdp_batchnorm_modes(runs):
     """'pool' on each rank's own buffers (FSDP2 shards parameters, not buffers, and broadcasts none): each rank's running
     statistics are those one large batch of its own windows leaves; 'momentum'/'freeze' train alike on both ranks"""
@@ -286,6 +297,7 @@ def test_fsdp_batchnorm_modes(runs):
     for name in ('fsdp_momentum', 'fsdp_freeze'):
         a,b = get(runs, name); assert torch.equal(a['params'], b['params']) and a['steps'] == 4
 
+@needs_fsdp2
 @pytest.mark.parametrize('name,match', [('fsdp_groupnorm', 'Convert before sharding'), ('fsdp_auto', "micro_bs='auto'.*FSDP2"),
                                         ('fsdp_root_only_blocks', 'not its root')])
 def test_fsdp_refusals_say_what_to_do(runs, name, match):
@@ -293,6 +305,7 @@ def test_fsdp_refusals_say_what_to_do(runs, name, match):
     r0,r1 = runs[name]
     for r in (r0, r1): assert 'error' in r and re.search(match, r['error']), r.get('error', '')[:300]
 
+@needs_fsdp2
 def test_fsdp_save_load_whole_model(tmp_path):
     """`learn.save` writes the whole model (gathered, rank 0 writes) and the optimizer state; `learn.load` into another
     sharded Learner gives every rank its own shard of it (before: rank 0's shard on every rank, weights 0.74 off)"""
@@ -300,6 +313,7 @@ def test_fsdp_save_load_whole_model(tmp_path):
     for r in (r0, r1): assert torch.equal(r['a'], r['b']) and r['opt_equal']
     assert r0['file_shapes'] == r0['full_shapes']
 
+@needs_fsdp2
 def test_fsdp_way_in_equals_ddp_and_exports(tmp_path):
     """`learn.fsdp_ctx()` (to_fsdp: FSDP2 block by block, optimizer rebuilt, DistributedDL; from_fsdp after) trains
     exactly what fastai's `distrib_ctx` (Accelerate's DDP) does, and `learn.export` under it writes an unsharded model

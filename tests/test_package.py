@@ -1,6 +1,6 @@
 """The package as a whole: its modules form layers (each imports only those below it), the patches on fastai's Learner
 exist whichever name is imported first, and a fit that shards nothing does not load torch's FSDP package."""
-import ast, importlib.util, json, subprocess, sys
+import ast, importlib.util, json, re, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +41,90 @@ def test_a_fit_that_shards_nothing_does_not_load_fsdp():
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     now = mod.run('now')
     assert not now['fsdp'] and not now['dtensor']
+
+# -- torch outside its public API: only through accum_callback/compat.py -----------------------------------------------
+PRIVATE_ATTRS = {'_buffers', '_modules', '_get_fsdp_state', '_fsdp_param_groups', '_unsharded_param', 'unsharded_accumulated_grad',
+                 '_orig_mod', '_torchdynamo_orig_backend', '_BatchNorm', '_utils', '_pytree'}
+
+def _private_uses(path:Path)->list:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and (node.attr in PRIVATE_ATTRS or node.attr.startswith('_foreach')):
+            out.append(f'{path.name}:{node.lineno} .{node.attr}')
+        if isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] == 'torch':
+            if any(p.startswith('_') for p in node.module.split('.')) or any(a.name.startswith('_') for a in node.names):
+                out.append(f'{path.name}:{node.lineno} from {node.module} import ...')
+    return out
+
+def test_private_torch_names_are_reached_only_through_compat():
+    files = [p for d in ('accum_callback', 'accum_finetune') for p in (ROOT/d).glob('*.py') if p.name != 'compat.py']
+    found = [u for p in files for u in _private_uses(p)]
+    assert not found, f'private torch names outside accum_callback/compat.py (add a helper there): {found}'
+    assert _private_uses(PKG/'compat.py'), 'the check reads nothing'   # it does find them where they are
+
+@pytest.mark.parametrize('name,args', [('mul_', (2.,)), ('copy_', 'dst'), ('add_', (1.,)), ('add', (0.5,)), ('sqrt_', ()),
+                                       ('div', 'dst'), ('clamp_min_', ([0.1, -0.2],)), ('clamp_max_', ([0.3, 0.2],)), ('norm', ())])
+def test_foreach_falls_back_to_a_loop_with_the_same_result(name, args):
+    import torch
+    from accum_callback.compat import _loop, foreach
+    mk = lambda: [torch.rand(3, generator=torch.Generator().manual_seed(i)) + 0.1 for i in range(2)]
+    if args == 'dst': args = ([t + 1 for t in mk()],)
+    a,b = mk(),mk()
+    ra,rb = foreach(name)(a, *args),_loop(name)(b, *args)
+    assert foreach(name) is getattr(torch, f'_foreach_{name}')   # this torch has the fused one
+    for x,y in zip(ra or a, rb or b): assert torch.allclose(x, y)
+
+def test_tree_helpers_round_trip():
+    import collections, torch
+    from accum_callback.compat import tree_flatten, tree_map, tree_unflatten
+    P = collections.namedtuple('P', 'a b')
+    obj = dict(x=[torch.ones(1), (2, P(3, [4]))], y=collections.defaultdict(list, z=5), w=())
+    leaves,spec = tree_flatten(obj)
+    assert leaves[1:] == [2, 3, 4, 5] and tree_unflatten(leaves, spec) == obj | {}
+    back = tree_map(lambda v: v, obj)
+    assert type(back['x'][1][1]) is P and back['y'].default_factory is list and back['w'] == ()
+
+class _FSDPParam214:
+    "The shape of torch 2.14's FSDPParam: the reduce-dtype accumulator is a plain attribute"
+    def __init__(self, up, acc): self._unsharded_param,self.unsharded_accumulated_grad = up,acc
+
+class _FSDPParam215:
+    "torch 2.15's: a read-only property, the unsharded parameter's own .grad"
+    def __init__(self, up): self._unsharded_param = up
+    @property
+    def unsharded_accumulated_grad(self): return self._unsharded_param.grad
+
+@pytest.mark.parametrize('cls', [_FSDPParam214, _FSDPParam215])
+def test_held_fsdp_grads_cleared_in_either_layout(cls):
+    "Found by what the class has (an attribute, or a property without setter), not by torch's version number"
+    import torch
+    from accum_callback.compat import clear_held_grads, held_unsharded_grad
+    up = torch.nn.Parameter(torch.zeros(3)); up.grad = torch.ones(3)
+    fp = cls(up, torch.full((3,), 2.)) if cls is _FSDPParam214 else cls(up)
+    assert float(held_unsharded_grad(fp).sum()) == (6. if cls is _FSDPParam214 else 3.)
+    clear_held_grads(fp)
+    assert up.grad is None and held_unsharded_grad(fp) is None
+
+def test_fsdp2_whose_grads_cannot_be_reached_is_refused_naming_torch(monkeypatch):
+    import torch
+    from accum_callback import distributed as D
+    monkeypatch.setattr(D, 'is_fsdp', lambda m: True)
+    monkeypatch.setattr(D, 'fsdp_modules', lambda m: [torch.nn.Linear(1, 1)])   # no `_get_fsdp_state`: unreachable
+    with pytest.raises(ValueError, match=rf"FSDP2.*torch {re.escape(torch.__version__)}.*docs/versions.md"): D.check_fsdp(torch.nn.Linear(1, 1))
+
+# -- versions ------------------------------------------------------------------------------------------------------------
+def test_one_version_number_in_the_package_setup_and_changelog():
+    import accum_callback
+    from importlib.metadata import version
+    assert 'version = attr: accum_callback.__version__' in (ROOT/'setup.cfg').read_text()   # setup.cfg reads the package's
+    assert version('accum_callback') == accum_callback.__version__, 'the installed metadata is stale: pip install -e .'
+    assert f'## {accum_callback.__version__} ' in (ROOT/'CHANGELOG.md').read_text()
+
+def test_lower_bounds_are_the_versions_ci_runs_the_oldest_tier_on():
+    "setup.cfg claims no older torch, torchvision or fastai than `.ci/versions oldest` installs (major.minor, fastai's patch)"
+    oldest = dict(re.findall(r'(torch|torchvision|fastai)==([\d.]+)', re.search(r'OLDEST="([^"]*)"', (ROOT/'.ci'/'versions').read_text()).group(1)))
+    claims = dict(re.findall(r'^\s+(torch|torchvision|fastai)>=([\d.]+)', (ROOT/'setup.cfg').read_text(), re.M))
+    assert set(claims) == set(oldest) == {'torch', 'torchvision', 'fastai'}
+    for k,v in claims.items():
+        n = 3 if k == 'fastai' else 2
+        assert oldest[k].split('.')[:n] == v.split('.')[:n], f'{k}: setup.cfg says >={v}, CI tests {oldest[k]}'

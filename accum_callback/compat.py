@@ -1,0 +1,137 @@
+"""Every torch name outside torch's public API that the library uses, in one place, each found by what this torch has
+(never by its version number), with a fallback or a clear refusal naming the torch version and the feature where it
+is gone. docs/versions.md lists them with what each is for; `tests/test_package.py` fails when another module reaches
+for a private torch name itself."""
+from __future__ import annotations
+import sys
+
+import torch, torch.nn as nn
+
+__all__ = ['foreach', 'tree_flatten', 'tree_unflatten', 'tree_map', 'BatchNormBase', 'module_dicts', 'OutOfMemoryError',
+           'autocast_enabled', 'compiled_with_cuda_graphs', 'fsdp_param_groups', 'fsdp_grads_reachable',
+           'held_unsharded_grad', 'clear_held_grads', 'TORCH']
+
+TORCH = torch.__version__
+
+# -- fused multi-tensor ops: torch._foreach_* -------------------------------------------------------------------------
+def _loop(name:str):
+    "The per-tensor equivalent of `torch._foreach_<name>` (a list, or one value for every tensor, per argument)"
+    def f(ts, *args):
+        args = [a if isinstance(a, (list, tuple)) else [a]*len(ts) for a in args]
+        out = [getattr(t, name)(*xs) for t,*xs in zip(ts, *args)]
+        return None if name.endswith('_') else out
+    f.__name__ = f'_foreach_{name}'
+    return f
+
+def foreach(name:str):
+    """`torch._foreach_<name>` (one fused kernel for a list of tensors: `mul_`, `copy_`, `add_`, `norm`, ...), or the same
+    as a loop over the tensors where this torch has none"""
+    return getattr(torch, f'_foreach_{name}', None) or _loop(name)
+
+# -- nested containers of tensors (instead of torch.utils._pytree) ---------------------------------------------------
+def tree_flatten(obj)->tuple[list, object]:
+    "The leaves of `obj` (inside lists, tuples, namedtuples and dicts, in order) and how to put them back (`tree_unflatten`)"
+    if isinstance(obj, dict): keys,kids = list(obj),list(obj.values())
+    elif isinstance(obj, (list, tuple)): keys,kids = None,list(obj)
+    else: return [obj],None
+    parts = [tree_flatten(o) for o in kids]
+    kind = (type(obj), getattr(obj, 'default_factory', None))   # (a defaultdict keeps its factory)
+    return [l for ls,_ in parts for l in ls],(kind, keys, [s for _,s in parts], [len(ls) for ls,_ in parts])
+
+def tree_unflatten(leaves, spec):
+    if spec is None: return leaves[0]
+    (kind,factory),keys,specs,sizes = spec
+    out,i = [],0
+    for s,k in zip(specs, sizes): out.append(tree_unflatten(leaves[i:i+k], s)); i += k
+    if keys is not None:
+        d = kind(factory) if factory is not None else kind()
+        d.update(zip(keys, out)); return d
+    return kind(*out) if hasattr(kind, '_fields') else kind(out)   # a namedtuple takes its fields as arguments
+
+def tree_map(f, obj):
+    "`f` applied to every leaf of `obj`, the containers rebuilt"
+    leaves,spec = tree_flatten(obj)
+    return tree_unflatten([f(l) for l in leaves], spec)
+
+# -- BatchNorm's base class, the CUDA out-of-memory error, autocast -----------------------------------------------------
+BatchNormBase = getattr(nn.modules.batchnorm, '_BatchNorm', None)   # BatchNorm1d/2d/3d, SyncBatchNorm, timm's norm-act
+if BatchNormBase is None:
+    raise ImportError(f"accum_callback needs torch.nn.modules.batchnorm._BatchNorm (the base of every BatchNorm layer), "
+                      f"which torch {TORCH} does not have: please report it")
+
+def module_dicts(m:nn.Module)->tuple[dict,dict]:
+    """(`m._buffers`, `m._modules`): nn.Module's own storage of its buffers and children. 'pool' swaps a BatchNorm's
+    buffers per micro-batch through the dict (`Module.__setattr__` costs more than the rest of its hook) and the
+    converters replace children through it (`named_children` skips a module's second name)"""
+    return m._buffers,m._modules
+
+if not all(isinstance(d, dict) for d in module_dicts(nn.Module())):
+    raise ImportError(f"accum_callback needs nn.Module's `_buffers` and `_modules` dicts, which torch {TORCH} does not "
+                      "have: please report it")
+
+OutOfMemoryError = getattr(torch, 'OutOfMemoryError', None) or torch.cuda.OutOfMemoryError
+
+def autocast_enabled(device_type:str)->bool:
+    "Is autocast on for `device_type` ('cuda' or 'cpu')?"
+    try: return torch.is_autocast_enabled(device_type)
+    except TypeError:   # torches that ask per device with another function
+        return torch.is_autocast_enabled() if device_type == 'cuda' else torch.is_autocast_cpu_enabled()
+
+# -- torch.compile: is any part of the model compiled with CUDA graphs? -------------------------------------------------
+def compiled_with_cuda_graphs(model:nn.Module)->bool:
+    """Is any part of `model` a `torch.compile` module whose backend records CUDA graphs (mode='reduce-overhead' or
+    'max-autotune')? Read from dynamo's wrappers (`_orig_mod`, `dynamo_ctx.callback`, `_torchdynamo_orig_backend`, the
+    inductor options): where a torch lays them out otherwise, False (the refusal it feeds is not made)"""
+    for m in model.modules():
+        if not hasattr(m, '_orig_mod'): continue
+        f = getattr(getattr(m, 'dynamo_ctx', None), 'callback', None)
+        for _ in range(8):   # CatchErrorsWrapper -> ConvertFrame -> backend wrapper with the inductor options
+            if f is None: break
+            cfg = getattr(f, 'config', None)
+            if isinstance(cfg, dict) and cfg.get('triton.cudagraphs'): return True
+            f = getattr(f, '_torchdynamo_orig_backend', None)
+    return False
+
+# -- FSDP2's per-parameter records ----------------------------------------------------------------------------------------
+def _fsdp_state(module):
+    get = getattr(module, '_get_fsdp_state', None)
+    return get() if callable(get) else None
+
+def fsdp_param_groups(module)->list|None:
+    """FSDP2's parameter groups of one sharded module: `_get_fsdp_state()._fsdp_param_groups` (a list, torch 2.14), or
+    its one `_fsdp_param_group` (torch 2.6); None where neither is there"""
+    st = _fsdp_state(module)
+    groups = getattr(st, '_fsdp_param_groups', None)
+    if groups is not None: return list(groups)
+    if st is not None and hasattr(st, '_fsdp_param_group'):
+        g = st._fsdp_param_group
+        return [] if g is None else [g]
+    return None
+
+def fsdp_grads_reachable(modules:list)->bool:
+    "Can the gradients FSDP2 holds unsharded for these sharded modules be reached (to discard them when a window drops)?"
+    for m in modules:
+        groups = fsdp_param_groups(m)
+        if groups is None or any(not hasattr(g, 'fsdp_params') for g in groups): return False
+    return True
+
+def _settable(obj, name:str)->bool:
+    "A plain attribute (torch 2.14's `FSDPParam.unsharded_accumulated_grad`), not a read-only property (torch 2.15's)"
+    prop = getattr(type(obj), name, None)
+    return not isinstance(prop, property) or prop.fset is not None
+
+def held_unsharded_grad(fp):
+    """The gradient FSDP2 holds unsharded for one parameter between backward passes without sync: the reduce-dtype
+    accumulator where this torch keeps one apart (2.14), else the unsharded parameter's `.grad`"""
+    g = getattr(fp, 'unsharded_accumulated_grad', None) if _settable(fp, 'unsharded_accumulated_grad') else None
+    if g is None:
+        up = fp.__dict__.get('_unsharded_param')   # (the `unsharded_param` property asserts it exists)
+        g = up.grad if up is not None else None
+    return g
+
+def clear_held_grads(fp):
+    "Drop what `held_unsharded_grad` finds (where it is read-only, it is the parameter's `.grad`, dropped below)"
+    if _settable(fp, 'unsharded_accumulated_grad') and getattr(fp, 'unsharded_accumulated_grad', None) is not None:
+        fp.unsharded_accumulated_grad = None
+    up = fp.__dict__.get('_unsharded_param')
+    if up is not None and up.grad is not None: up.grad = None
