@@ -87,19 +87,31 @@ class AccumulationReport:
     __repr__ = __str__
 
 # -- taking the micro-batches ----------------------------------------------------------------------------------------------
-def _micro_batches(learn, n_step:int, size)->tuple[list,list,object]:
+def _micro_batches(learn, n_step:int, size, shuffle:bool=False, seed:int=0)->tuple[list,list,object]:
     """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, where
     each comes from: `(rows start, rows end, loader batch size)`, and that loader"""
-    dl = learn.dls.train.new(shuffle=False, drop_last=False) if hasattr(learn.dls.train, 'new') else learn.dls.train
     out,where = [],[]
-    for b in dl:
-        b = to_device(b, _device(learn.model))
-        n = find_bs(b)
-        for s,e in (piece_bounds(n, size) if size else [(0, n)]):
-            out.append(b if (s, e) == (0, n) else slice_batch(b, s, e)); where.append((s, e, n))
-            if len(out) == n_step: return out,where,dl
+    for b,w in _stream(learn, size):
+        out.append(b); where.append(w)
+        if len(out) == n_step: return out,where,_loader(learn)
     raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
                      "pass a smaller n_step")
+
+def _loader(learn, shuffle:bool=False, seed:int=0):
+    "The training loader in its own order (or shuffled from `seed`, dropping an incomplete last batch, as training does)"
+    dl = learn.dls.train.new(shuffle=shuffle, drop_last=shuffle) if hasattr(learn.dls.train, 'new') else learn.dls.train
+    if shuffle and hasattr(dl, 'rng'): dl.rng = random.Random(seed)   # fastai's loaders shuffle with their own `rng`
+    return dl
+
+def _stream(learn, size, shuffle:bool=False, seed:int=0, epochs:int=1):
+    "Yield `(micro-batch, (rows start, rows end, loader batch size))` on the model's device, over `epochs` passes"
+    dl = _loader(learn, shuffle, seed)
+    for _ in range(epochs):
+        for b in dl:
+            b = to_device(b, _device(learn.model))
+            n = find_bs(b)
+            for s,e in (piece_bounds(n, size) if size else [(0, n)]):
+                yield (b if (s, e) == (0, n) else slice_batch(b, s, e)),(s, e, n)
 
 def _device(model): return next(iter(model.parameters()), torch.empty(0)).device
 
@@ -155,9 +167,23 @@ class _Runner:
     batch and its parts compute the same on a per-sample model, so that BatchNorm's and dropout's effects show alone)"""
     def __init__(self, learn, batches, model, ga, bna, where:list, dl=None):
         self.learn,self.ga,self.bna,self.dl = learn,ga,bna,dl
-        self.batches = [_split_xy(learn, b) for b in batches]
         self.model0,self.replay = model,_replayed(learn)
         self.stateful = any(map(any, stateful_modules(model)))   # splittable or not: its state is copied per pass
+        self.load(batches, where)
+        self.model = copy_module(model)
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
+        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+        amp = getattr(mp, 'amp_mode', None) if mp is not None else None
+        self.autocast = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
+        p = next(iter(model.parameters()), None)
+        self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
+        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.loss_terms = True   # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
+
+    def load(self, batches:list, where:list):
+        "The micro-batches to run (a window), where each comes from, and the experiments' sets of them"
+        self.batches = [_split_xy(self.learn, b) for b in batches]
         self.where = list(where)
         self.n_window = len(self.batches)   # the window's micro-batches; the halves below come after them
         # pieces of loader batches on a model with per-row state: each starts from its own rows, as under micro_bs
@@ -172,16 +198,6 @@ class _Runner:
             self.where += [(s, m, n), (m, e, n)]
             self.clean = [self.n_window, self.n_window+1]
         else: self.clean = self.exp
-        self.model = copy_module(model)
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
-        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
-        amp = getattr(mp, 'amp_mode', None) if mp is not None else None
-        self.autocast = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
-        p = next(iter(model.parameters()), None)
-        self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
-        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-        self.loss_terms = True   # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
 
     @property
     def window(self)->list: return list(range(self.n_window))

@@ -9,7 +9,7 @@ import torch, torch.nn as nn
 
 __all__ = ['foreach', 'tree_flatten', 'tree_unflatten', 'tree_map', 'BatchNormBase', 'module_dicts', 'OutOfMemoryError',
            'autocast_enabled', 'compiled_with_cuda_graphs', 'fsdp_param_groups', 'fsdp_grads_reachable',
-           'held_unsharded_grad', 'clear_held_grads', 'TORCH']
+           'held_unsharded_grad', 'clear_held_grads', 'local_tensor', 'grad_scale', 'TORCH']
 
 TORCH = torch.__version__
 
@@ -76,6 +76,19 @@ def autocast_enabled(device_type:str)->bool:
     try: return torch.is_autocast_enabled(device_type)
     except TypeError:   # torches that ask per device with another function
         return torch.is_autocast_enabled() if device_type == 'cuda' else torch.is_autocast_cpu_enabled()
+
+def local_tensor(t:torch.Tensor)->torch.Tensor:
+    "A DTensor's local shard (FSDP2's sharded parameters and gradients), any other tensor itself"
+    return t.to_local() if hasattr(t, 'to_local') else t
+
+def grad_scale(learn):
+    """The factor fastai's fp16 `MixedPrecision` multiplies the gradients by (its `GradScaler`'s scale), as a tensor on
+    the device where the scaler keeps it (`_scale`: no host synchronisation), else its public `get_scale()`; None
+    without a scaler or with one that is off (bf16)"""
+    s = getattr(learn, 'scaler', None)
+    if s is None or not getattr(s, 'is_enabled', lambda: False)(): return None
+    t = getattr(s, '_scale', None)
+    return t.double() if isinstance(t, torch.Tensor) else torch.tensor(float(s.get_scale()), dtype=torch.float64)
 
 # -- torch.compile: is any part of the model compiled with CUDA graphs? -------------------------------------------------
 def compiled_with_cuda_graphs(model:nn.Module)->bool:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
 __all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
-           'all_reduce_grads', 'fsdp_modules', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
+           'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
            'gloo_distributed_dl']
@@ -76,15 +76,15 @@ def enter_no_sync(model):
 def exit_no_sync(ctx):
     if ctx is not None: ctx.__exit__(None, None, None)
 
-def _fsdp_params(model):
-    "FSDP2's per-parameter records (torch internals, reached through `compat`)"
+def fsdp_params(model):
+    "FSDP2's per-parameter records of every sharded module of `model` (torch internals, reached through `compat`)"
     for m in fsdp_modules(model):
         for g in fsdp_param_groups(m) or []: yield from g.fsdp_params
 
 def discard_unsharded_grads(model):
     """Drop the gradients FSDP2 holds unsharded between backward passes without sync (where the optimizer's
     `zero_grad` does not reach): a window that ends without its step must not leak into the next"""
-    for fp in _fsdp_params(model): clear_held_grads(fp)
+    for fp in fsdp_params(model): clear_held_grads(fp)
 
 def set_resharding(model, forward:bool, backward:bool, now:bool=False):
     "FSDP2: whether parameters are freed (resharded) after each forward / backward; `now`: reshard them at once"
@@ -100,7 +100,7 @@ def fsdp_group_count(model)->int:
 def held_grad_bytes(model)->tuple[int,int]:
     "(unsharded, sharded) gradient bytes FSDP2's parameters hold on this rank now"
     u = s = 0
-    for fp in _fsdp_params(model):
+    for fp in fsdp_params(model):
         g = held_unsharded_grad(fp)
         if g is not None: u += g.numel()*g.element_size()
         sg = getattr(getattr(fp, 'sharded_param', None), 'grad', None)

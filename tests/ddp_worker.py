@@ -362,3 +362,31 @@ def app_cells(rank, world_size, names):
                          sizes=list(learn.gradient_accumulation.window_sizes))
         dist.barrier()
     return out
+
+# -- the gradient noise scale under DDP and FSDP2 (tests/test_noise.py) ---------------------------------------------
+def noise_scale_ranks(rank, world_size):
+    "Each rank half of `test_noise.data()`, GradientNoiseScale's per-step estimates under DDP, then FSDP2"
+    import numpy as np
+    from accum_callback.noise import GradientNoiseScale
+    from test_noise import data, linear_loss, D
+    out = {}
+    for kind in ('ddp', 'fsdp'):
+        try:
+            x,y = data().tensors
+            ds = TensorDataset(x[rank::world_size], y[rank::world_size])
+            model = nn.Linear(D, 1, bias=False).double(); nn.init.zeros_(model.weight)
+            noise = GradientNoiseScale()
+            learn = make_learner(ds, 8, cbs=[GradientAccumulation(n_step=8), noise, Float64Run()], model=model, lr=0.,
+                                 loss_func=linear_loss, shuffle=True)
+            if kind == 'ddp': learn.model = DDP(model)
+            else:
+                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.device_mesh import init_device_mesh
+                fully_shard(model, mesh=init_device_mesh('cpu', (world_size,))); learn.create_opt()
+            torch.manual_seed(rank); import random; random.seed(rank)
+            with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+                warnings.simplefilter('ignore'); learn.fit(16)
+            out[kind] = {k: noise.values(k) for k in ('g2', 'trace', 'b', 'B')}
+        except Exception as e: out[kind] = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        dist.barrier()
+    return out

@@ -1,0 +1,314 @@
+"""How big should the batch be? The gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch
+Training", Appendix A), measured from accumulation at almost no cost, and a window that grows with it.
+
+A window already holds the two gradients the estimate needs: that of its first micro-batch (b items, in `.grad` after
+the window's first backward) and that of the whole window (B items, before the step). With mean-normalised gradients,
+E|g_b|^2 = |G|^2 + tr(S)/b for any b, so from the two sizes:
+
+    |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b)        tr(S) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+
+each unbiased; the ratio of their moving averages is B_simple = tr(S)/|G|^2, which predicts the critical batch size.
+Two fused norm reductions a window, no extra backward, no copy of the gradients."""
+from __future__ import annotations
+import math, random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fastai.callback.core import Callback
+from fastai.learner import Learner, ValueMetric
+from fastcore.basics import patch
+
+from .accumulate import GradientAccumulation
+from .check import _Runner, _device, _loader, _stream, copy_module, unwrap
+from .micro import piece_bounds
+from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
+from .distributed import fsdp_params, is_distributed, is_fsdp
+from .guard import in_inference
+from .losses import loss_reduction
+from .schedule import whole_number
+
+__all__ = ['GradientNoiseScale', 'NoiseScaleSchedule', 'NoiseScaleReport', 'noise_estimates']
+
+def noise_estimates(g_small2, g_big2, b, B)->tuple:
+    """McCandlish's unbiased estimates `(|G|^2, tr(S))` from the squared norms of two mean gradients over `b` and `B > b`
+    items (numbers or tensors; `b` may be a mean of 1/b over several small gradients, given as `1/b`'s inverse)"""
+    return (B*g_big2 - b*g_small2)/(B - b),(g_small2 - g_big2)/(1/b - 1/B)
+
+def _ratio_of(g2:float, tr:float)->float:
+    return math.nan if not tr > 0 else (tr/g2 if g2 > 0 else math.inf)
+
+def _sq_norm(ts:list)->torch.Tensor:
+    "Sum of squares of `ts` (one fused norm kernel), in float64, on their device; a DTensor counts its local shard"
+    ts = [local_tensor(t) for t in ts if t is not None]
+    if not ts: return torch.zeros((), dtype=torch.float64)
+    return torch.stack([n.double() for n in foreach('norm')(ts)]).pow(2).sum()
+
+class GradientNoiseScale(Callback):
+    """Measure the gradient noise scale B_simple = tr(S)/|G|^2 at every optimizer step from what accumulation already
+    has: the squared norm of the window's first micro-batch gradient and of the whole window's (unscaled from fp16's
+    grad scaler; under DDP the micro-batch norm averaged over ranks and the window's global, so every rank agrees).
+    Logged per step (`g_small2`, `g_big2`, `b`, `B`, `g2`, `trace`, their moving averages, `b_simple`), as a column of
+    the Recorder (`noise_scale`, at each epoch's end) and by `plot_noise_scale()`. `schedule()` grows the window with it.
+
+    A window of one micro-batch has nothing to compare and is not counted. BatchNorm in training couples the samples of
+    a micro-batch and dropout adds noise of its own: both bias the estimate (docs/noise_scale.md)."""
+    order,run_valid = GradientAccumulation.order+1,False   # the window's gradient is final (scaled by ours), not yet unscaled
+
+    def __init__(self,
+        beta:float=0.98, # moving-average weight of the last estimate is 1-beta (bias-corrected, as Adam's): ~50 windows
+    ):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+            raise ValueError(f"`beta` must be in [0, 1), got {beta!r}")
+        self.beta,self.ga,self.schedules = float(beta),None,[]
+        self._reset()
+
+    @property
+    def n_measured(self)->int: "Windows measured in this fit"; return self._n
+
+    def _reset(self):
+        self.log = dict(g_small2=[], g_big2=[], b=[], B=[], g2=[], trace=[], g2_ema=[], trace_ema=[], step=[])
+        self._ema,self._n,self._first,self._steps = None,0,None,0
+
+    # -- results --------------------------------------------------------------------------------------------------
+    @property
+    def b_simple(self)->float:
+        """The latest B_simple (ratio of the moving averages of tr(S) and |G|^2): nan before the first measured window
+        or while no noise is measured (tr(S) <= 0), inf while the mean gradient is lost in the noise (|G|^2 <= 0)"""
+        if self._ema is None: return math.nan
+        return _ratio_of(*self._ema.tolist())
+    @property
+    def b_simple_history(self)->list:
+        "B_simple after each measured step"
+        return [_ratio_of(g, t) for g,t in zip(self.values('g2_ema'), self.values('trace_ema'))]
+    def values(self, k:str)->list:
+        "The per-step log `k` as floats (one host synchronisation for the whole log)"
+        v = self.log[k]
+        return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v]).tolist() if v else []
+
+    def schedule(self, fraction:float=1., lo:int=1, hi:int|None=None, unit:str='items', warmup:int|None=None)->NoiseScaleSchedule:
+        """A window size that follows the measured noise scale: `GradientAccumulation(target_bs=noise.schedule(...))`,
+        from `lo` until `warmup` windows are measured (default: the moving average's span, `1/(1-beta)`)"""
+        if warmup is None: warmup = round(1/(1-self.beta))
+        s = NoiseScaleSchedule(self, fraction, lo, hi, unit, warmup)
+        self.schedules.append(s)
+        return s
+
+    # -- fit ----------------------------------------------------------------------------------------------------
+    def before_fit(self):
+        if in_inference(self.learn): return
+        self.ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
+        if self.ga is None:
+            raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "
+                             "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
+        if self.ga.sharded_grads and is_fsdp(self.model):
+            raise ValueError("GradientNoiseScale under FSDP2 with `GradientAccumulation(sharded_grads=True)`: the first "
+                             "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
+                             "the default `sharded_grads=False`")
+        self._reset()
+        self.ga.on_window_close(self._closed)
+        # a column of the Recorder for the fit (fastai's ValueMetric: the value at the end of each epoch's validation)
+        self._metric = ValueMetric(self._epoch_value, 'noise_scale')
+        self.learn.metrics = list(self.learn.metrics) + [self._metric]
+
+    def after_fit(self):
+        if in_inference(self.learn) or self.ga is None: return
+        self.ga.remove_window_listener(self._closed)
+        self.learn.metrics = [m for m in self.learn.metrics if m is not getattr(self, '_metric', None)]
+
+    def _epoch_value(self)->float: return self.b_simple
+
+    def _closed(self, stepped:bool): self._first = None
+
+    def after_backward(self):
+        "The window's first counted micro-batch: the squared norm of its mean gradient (local: nothing synchronised yet)"
+        w = self.ga.window
+        if not (w.counted and w.n_micro == 1) or w.action is not None: return   # (a window of one: nothing to compare)
+        grads = ([held_unsharded_grad(fp) for fp in fsdp_params(self.model)] if is_fsdp(self.model)
+                 else [p.grad for p in self.model.parameters()])
+        n = torch.as_tensor(w.n, dtype=torch.float64)
+        # the backward loss was the micro-batch's mean times n/ref (a sum: the sum itself); its mean gradient is this /(n/ref)
+        k = (1./n if w.summed else torch.as_tensor(w.ref, dtype=torch.float64)/n).to(_device(self.model))
+        self._first = (_sq_norm(grads)*k.square(), n)
+
+    def before_step(self):
+        "The window is final: the squared norm of its mean gradient, the estimates, their moving averages"
+        first,w = self._first,self.ga.window
+        if first is None or w.log is None: return
+        g_small2,b = first
+        dev = g_small2.device
+        g_big2 = _sq_norm([p.grad for p in self.model.parameters()])
+        if is_fsdp(self.model): g_big2 = self._sum_over_ranks(g_big2)   # each rank holds its shard of the global gradient
+        items = float(w.log[1])   # the window's items over every rank (GradientAccumulation's one synchronisation)
+        if w.summed: g_big2 = g_big2/items**2   # a summed loss's window gradient is the sum
+        if is_distributed(self.model):   # the micro-batch was each rank's own: average the ranks' squared norms and 1/b
+            world = dist.get_world_size()
+            g_small2,inv_b = (self._sum_over_ranks(torch.stack([g_small2, 1/b.to(dev)]))/world).unbind()
+            b = 1/inv_b
+        scale = grad_scale(self.learn)   # fp16's grad scaler multiplied every gradient
+        if scale is not None: g_small2,g_big2 = g_small2/scale**2,g_big2/scale**2
+        b,B = b.to(dev),torch.tensor(items, dtype=torch.float64, device=dev)
+        if not bool((B > b).all()): return   # nothing larger to compare with (the window is its first micro-batch)
+        g2,tr = noise_estimates(g_small2, g_big2, b, B)
+        est = torch.stack([g2, tr])
+        ok = torch.isfinite(est).all()   # an overflowing fp16 window is skipped by the scaler: not counted here either
+        self._n += 1   # (counted on the host: every rank the same)
+        if self._ema is None: self._ema_raw = torch.zeros(2, dtype=torch.float64, device=dev)
+        self._ema_raw = torch.where(ok, self.beta*self._ema_raw + (1-self.beta)*est, self._ema_raw)
+        self._ema = self._ema_raw/(1 - self.beta**self._n) if self.beta else self._ema_raw
+        for k,v in zip(self.log, (g_small2, g_big2, b, B, g2, tr, self._ema[0], self._ema[1], self.ga.steps)): self.log[k].append(v)
+
+    def _sum_over_ranks(self, t:torch.Tensor)->torch.Tensor:
+        t = t.clone(); dist.all_reduce(t); return t
+
+    def plot_noise_scale(self, ax=None):
+        "B_simple and the effective batch (items per step) against optimizer steps, on a log scale; returns the axes"
+        import matplotlib.pyplot as plt
+        if ax is None: _,ax = plt.subplots(figsize=(6, 3.5))
+        steps = self.values('step')
+        ax.plot([s+1 for s in steps], self.b_simple_history, label='noise scale $B_{simple}$')
+        if self.ga is not None and self.ga.window_sizes:
+            ax.plot(range(1, len(self.ga.window_sizes)+1), self.ga.window_sizes, label='effective batch (items per step)')
+        ax.set_yscale('log'); ax.set_xlabel('optimizer step'); ax.set_ylabel('items'); ax.legend()
+        return ax
+
+class NoiseScaleSchedule:
+    """A window size from the measured noise scale, for `GradientAccumulation(target_bs=...)` (`unit='items'`) or
+    `n_step=...` (`unit='micro_batches'`, the items divided by the loader's batch size, rounded up): `fraction` times
+    B_simple, never smaller than the largest it has given (it only grows), within `[lo, hi]`; `lo` until the first
+    measurement and until `warmup` windows are measured (a noisy first estimate would otherwise ratchet the window up).
+    `GradientAccumulation` asks at each window's start, so every step stays the exact mean of its window, and the value
+    depends on the measurements alone (under DDP the same on every rank)."""
+    def __init__(self, source, fraction:float=1., lo:int=1, hi:int|None=None, unit:str='items', warmup:int=0):
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:
+            raise ValueError(f"`fraction` must be a number > 0, got {fraction!r}")
+        lo = whole_number(lo, 'lo')
+        if hi is not None and whole_number(hi, 'hi') < lo: raise ValueError(f"`hi` ({hi}) must be >= `lo` ({lo})")
+        if unit not in ('items', 'micro_batches'): raise ValueError(f"`unit` must be 'items' or 'micro_batches', got {unit!r}")
+        self.warmup = whole_number(warmup, 'warmup', lo=0)
+        self.source,self.fraction,self.lo,self.hi,self.unit,self.value = source,float(fraction),lo,hi,unit,lo
+        self.history = []   # (optimizer step, value) each time it changed
+
+    def items_per_unit(self)->int:
+        learn = getattr(self.source, 'learn', None)
+        bs = getattr(getattr(getattr(learn, 'dls', None), 'train', None), 'bs', None) if learn is not None else None
+        return 1 if self.unit == 'items' else max(1, int(bs or 1))
+
+    def __call__(self, pct:float=0., epoch:int=0)->int:
+        b = self.source.b_simple
+        if math.isfinite(b) and getattr(self.source, 'n_measured', math.inf) >= self.warmup:
+            v = max(self.lo, math.ceil(self.fraction*b/self.items_per_unit()))
+            if self.hi is not None: v = min(v, self.hi)
+            if v > self.value:
+                self.value = v
+                self.history.append((getattr(getattr(self.source, 'ga', None), 'steps', 0), v))
+        return self.value
+
+    def __repr__(self): return f"NoiseScaleSchedule(fraction={self.fraction}, lo={self.lo}, hi={self.hi}, unit={self.unit!r})"
+
+# -- learn.noise_scale(): one measurement before training ---------------------------------------------------------------
+@dataclass
+class NoiseScaleReport:
+    """What `learn.noise_scale()` measured at the current weights: `b_simple` (ratio of the mean estimates of tr(S) and
+    |G|^2 over `n_windows` windows), `interval` (95%, bootstrap over the windows), `g2` and `trace`, the micro-batch and
+    window sizes in items (`b`, `B`), and what to accumulate to for an effective batch of B_simple with this loader:
+    `target_bs` and `n_step` (micro-batches of the loader's batch)"""
+    b_simple: float
+    interval: tuple
+    g2: float
+    trace: float
+    b: float
+    B: float
+    n_windows: int
+    target_bs: int
+    n_step: int
+    per_window: list = field(default_factory=list)
+
+    def __str__(self):
+        lo,hi = self.interval
+        return '\n'.join(['noise_scale', '-'*72,
+            f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} windows)",
+            f"|G|^2, tr(S)      {self.g2:.3g}, {self.trace:.3g}",
+            f"measured with     micro-batches of {self.b:.3g} items in windows of {self.B:.3g}",
+            f"suggested         target_bs={self.target_bs} (n_step={self.n_step} micro-batches of the loader's batch)"])
+    __repr__ = __str__
+
+def _ratio(g2, tr)->float:
+    g,t = float(np.mean(g2)),float(np.mean(tr))
+    return t/g if g > 0 else math.inf
+
+@patch
+def noise_scale(self:Learner,
+    n_windows:int=16, # windows to measure over (each a training window's compute, no step)
+    n_step:int|None=None, # micro-batches a window (default: the Learner's GradientAccumulation window, at least 8)
+    seed:int=0, # which shuffled windows of the training loader
+)->NoiseScaleReport:
+    """Measure the gradient noise scale B_simple at the current weights over `n_windows` windows of the training loader
+    (shuffled, with `seed`), on a copy of the model: no step, and the Learner's weights, optimizer, RNG states and
+    BatchNorm statistics are left as they were. Returns the estimate with a 95% interval and the `target_bs`/`n_step`
+    that accumulate an effective batch of B_simple"""
+    n_windows = whole_number(n_windows, 'n_windows', lo=2)
+    ga = next((cb for cb in self.cbs if isinstance(cb, GradientAccumulation)), None)
+    if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)   # B - b large: a steadier |G|^2
+    n_step = whole_number(n_step, 'n_step', lo=2)
+    if is_fsdp(self.model): raise ValueError("noise_scale: the model is sharded with FSDP2; measure before sharding it")
+    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+             random.getstate(), np.random.get_state())
+    try:
+        size = ga.micro_bs if ga is not None else None
+        dl = _loader(self, shuffle=True, seed=seed)
+        per_epoch = sum(len(piece_bounds(n, size)) if size else 1 for n in _batch_sizes(dl))
+        stream = _stream(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
+        from .batchnorm import BatchNormAccumulation
+        bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
+        model = unwrap(self.model)
+        if bna is not None and bna.converts: model = bna.convert(copy_module(model))
+        r,per = None,[]
+        for _ in range(n_windows):   # one window in memory at a time
+            bs,where = zip(*[next(stream) for _ in range(n_step)])
+            if r is None: r = _Runner(self, list(bs), model, ga, bna, list(where), dl)
+            else: r.load(list(bs), list(where))
+            per.append(_window_norms(r, list(range(n_step))))
+    finally:
+        torch.set_rng_state(saved[0])
+        if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
+        random.setstate(saved[2]); np.random.set_state(saved[3])
+    g2 = np.array([p['g2'] for p in per]); tr = np.array([p['trace'] for p in per])
+    est = _ratio(g2, tr)
+    rng = np.random.default_rng(seed)
+    boots = sorted(_ratio(g2[i], tr[i]) for i in (rng.integers(0, n_windows, n_windows) for _ in range(1000)))
+    b,B = float(np.mean([p['b'] for p in per])),float(np.mean([p['B'] for p in per]))
+    bs = getattr(self.dls.train, 'bs', None) or b
+    target = max(1, round(est)) if math.isfinite(est) else int(B)
+    return NoiseScaleReport(b_simple=est, interval=(boots[25], boots[974]), g2=float(g2.mean()), trace=float(tr.mean()),
+                            b=b, B=B, n_windows=n_windows, target_bs=target, n_step=max(1, math.ceil(target/bs)), per_window=per)
+
+def _batch_sizes(dl)->list:
+    "The loader's batch sizes in an epoch (fastai's `n`, `bs`, `drop_last`)"
+    n,bs = getattr(dl, 'n', None),getattr(dl, 'bs', None)
+    if n is None or not bs: return [bs or 1]*len(dl)
+    return [min(bs, n - i*bs) for i in range(len(dl))]
+
+def _window_norms(r:_Runner, idxs:list)->dict:
+    """One window of the check's copy, micro-batch by micro-batch as training runs it: the mean of the micro-batches'
+    squared mean-gradient norms, the squared norm of the window's mean gradient, and the estimates from them"""
+    m = r.fresh(); r.modes(m, True, True)
+    ps = [p for p in m.parameters() if p.requires_grad]
+    acc,items,small,inv_b = None,0.,[],[]
+    summed = loss_reduction(r.learn.loss_func) == 'sum'
+    for xb,yb in r._pieces(m, idxs):
+        for p in ps: p.grad = None
+        pred,loss = r._forward(m, xb, yb)
+        n = r._count(xb, yb, pred, loss)
+        loss.backward()
+        g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+        k = 1/n if summed else 1.   # the mean gradient of the micro-batch
+        small.append(float(_sq_norm(g))*k*k); inv_b.append(1/n)
+        w = 1. if summed else n     # the window's mean is the items-weighted mean of the micro-batches' means
+        acc = [t.double()*w for t in g] if acc is None else [a.add_(t.double(), alpha=w) for a,t in zip(acc, g)]
+        items += n
+    g_big2 = float(_sq_norm([a/items for a in acc]))
+    b = 1/float(np.mean(inv_b))
+    g2,tr = noise_estimates(float(np.mean(small)), g_big2, b, items)
+    return dict(g_small2=float(np.mean(small)), g_big2=g_big2, b=b, B=items, g2=g2, trace=tr)
