@@ -57,6 +57,12 @@ def make_parser()->argparse.ArgumentParser:
     a('--out', type=Path, default=Path('runs/finetune'), metavar='DIR', help='where metrics.json, training.png and '
       'model.pkl go (default: runs/finetune)')
     a('--overwrite', action='store_true', help='replace the results of an earlier run in --out (otherwise refused)')
+    a('--cache', default=None, metavar='DIR|off', help="where --data's images are kept decoded (each decoded once, "
+      "resized, then read as arrays; rebuilt when a file changes): default the job's cache folder "
+      "($ACCUM_CALLBACK_CACHE/images); off: fastai's pipeline, every image decoded in every epoch")
+    a('--augment', action=argparse.BooleanOptionalAction, default=None, help="fastai's aug_transforms (flips, a small "
+      "rotation/zoom/warp, lighting, a random-resized crop) on the training batches, on the device: default on for "
+      "--data, off for the embedded digits (on them without flips)")
     a('--check', action='store_true', help="before training, print `learn.check_accumulation()`: is the accumulated "
       "gradient the big batch's on this model and data, and if not, why")
     a('--check-only', action='store_true', help='print the check and exit without training (nothing written)')
@@ -116,10 +122,25 @@ def _summary(m:dict, source:str, files)->str:
     w = max(len(k) for k,_ in rows)
     return '\n'.join([f'{PROG} summary', '-'*(w+50)] + [f'{k:<{w}}  {v}' for k,v in rows])
 
+def _image_cache()->Path:
+    "The decode cache's default folder: `images/` in the job's cache folder (the pretrained checkpoint's)"
+    from .pretrain import cache_dir
+    return cache_dir()/'images'
+
+def export(learn, fname, cached:bool=False):
+    """`learn.export` for fastai's `load_learner(fname).predict(image_file)`: with cached data, the Learner keeps an
+    inference pipeline from image files instead (decode, resize, normalise: `cache.inference_dls`)"""
+    if not cached: return learn.export(fname)
+    from .cache import inference_dls
+    dls = learn.dls
+    learn.dls = inference_dls(*dls.inference)
+    try: learn.export(fname)
+    finally: learn.dls = dls
+
 def _run(args)->int:
     warnings.filterwarnings('ignore', category=FutureWarning)   # torch/fastai import-time deprecation notices
     import torch
-    from .data import check_folder, digits_dls, folder_dls
+    from .data import digits_dls, folder_dls
     from .models import DEFAULT_ARCH, check_arch
     from .finetune import build_learner, finetune, plot_training, resolve_device, resolve_precision, write_metrics
     check_arch(args.arch)
@@ -128,16 +149,19 @@ def _run(args)->int:
     try: precision = resolve_precision(args.precision, device)
     except ValueError as e: raise UsageError(f"argument --precision: {e}") from None
     torch.set_num_threads(args.threads)   # the command's choice; `finetune` as a library leaves threads alone
-    images = check_folder(args.data) if args.data is not None else None   # before any pretraining: fail fast
+    cache = None if args.data is None or args.cache == 'off' else (Path(args.cache) if args.cache else _image_cache())
+    augment = args.augment if args.augment is not None else args.data is not None   # off for the embedded digits
+    auto = args.micro_bs == 'auto'
+    bs = args.effective_bs if auto else args.micro_bs   # the loader batch
+    # the data before any pretraining (fail fast): a folder is checked, and decoded into its cache if it has none
+    dls = (digits_dls(bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device, augment=augment)
+           if args.data is None else folder_dls(args.data, bs, args.size, args.valid_pct, args.seed, device=device,
+                                                cache=cache, augment=augment))
     weights = args.weights
     if weights is None and args.arch == DEFAULT_ARCH:
         from .pretrain import pretrained_checkpoint
         weights = str(pretrained_checkpoint(DEFAULT_ARCH, args.size))
     elif weights == 'none': weights = None
-    auto = args.micro_bs == 'auto'
-    bs = args.effective_bs if auto else args.micro_bs   # the loader batch
-    dls = (digits_dls(bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device) if args.data is None
-           else folder_dls(args.data, bs, args.size, args.valid_pct, args.seed, files=images, device=device))
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
@@ -146,9 +170,9 @@ def _run(args)->int:
             print(learn.check_accumulation(), flush=True)
             if args.check_only: return 0
         m = finetune(learn, args.epochs, args.lr)
-        m['data'] = dls.source
+        m['data'],m['cache'],m['augment'] = dls.source,(str(cache) if cache is not None else None),augment
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
-        learn.export(tmp/'model.pkl')   # fastai's `load_learner(path).predict(image)`
+        export(learn, tmp/'model.pkl', cached=cache is not None)
         args.out.mkdir(parents=True, exist_ok=True)
         files = [Path(shutil.move(f, args.out/f.name)) for f in sorted(tmp.iterdir())]   # replaces (--overwrite)
     finally: shutil.rmtree(tmp, ignore_errors=True)

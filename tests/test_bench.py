@@ -85,3 +85,27 @@ def test_auto_micro_bs_script_runs_on_cpu():
                           '--px', '16', '--bs', '16', '--batches', '2'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "micro_bs='auto': size found" in res.stdout and "/ best fixed micro_bs (" in res.stdout and 'escaped' not in res.stdout
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT/'bench'/f'{name}.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+def test_loader_bench_runs_and_its_gpu_comparison_runs_on_cpu(tmp_path, monkeypatch):
+    """bench/loader_bench.py's code paths at tiny sizes (figures mean nothing here): the loader rows, and the GPU
+    comparison (the job from the cache against the model on device-resident batches) run on the CPU"""
+    monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(tmp_path/'cache'))
+    lb = _load('loader_bench')
+    data = lb.make_jpegs(tmp_path/'jpegs', 40, n_cls=2, lo=40, hi=60)
+    res = subprocess.run([sys.executable, str(ROOT/'bench'/'loader_bench.py'), '--data', str(data), '--size', '32', '--bs', '4',
+                          '--device', 'cpu'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loader alone, images/s: fastai's pipeline" in res.stdout and 'the cache built in' in res.stdout
+    r = lb.gpu_bound(data, tmp_path/'c2', 'cpu', arch='resnet18', size=32, mb=4, k=2, precision='fp32', windows=1)
+    assert r['job'] > 0 and r['model'] > 0 and r['ratio'] > 0
+
+def test_noise_cost_runs():
+    res = subprocess.run([sys.executable, str(ROOT/'bench'/'noise_cost.py'), '--rounds', '1', '--windows', '2'], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert 'measured / plain time:' in res.stdout and 'inside the callback:' in res.stdout

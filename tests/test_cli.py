@@ -11,6 +11,11 @@ from accum_finetune.finetune import auto_bn
 
 ROOT = Path(__file__).resolve().parents[1]
 
+@pytest.fixture(autouse=True)
+def _job_cache(cache_dir, monkeypatch):
+    "Every run of the job here caches (the checkpoint, decoded images) in the session's folder, never the user's"
+    monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(cache_dir))
+
 def run_cli(*args, cwd=None, timeout=300):
     return subprocess.run([sys.executable, '-m', 'accum_callback', *map(str, args)], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=timeout)
@@ -292,3 +297,90 @@ def test_check_only_prints_the_table_and_writes_nothing(cache, tmp_path):
     assert 'summary' not in res.stdout and not out.exists()
     res = run_cli('--check-only', '--bn', 'pool', '--out', out)
     assert res.returncode == 0 and 'NOT exact' in res.stdout and 'cause: batchnorm' in res.stdout, res.stdout
+
+# -- the decode cache and augmentation on the device (issue 29) -----------------------------------------------------------
+def run_job(*args)->dict:
+    "The job in this process (its metrics); torch's thread count put back after"
+    from accum_finetune.cli import main
+    from conftest import torch_threads
+    import torch
+    with torch_threads(torch.get_num_threads()), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        assert main([str(a) for a in args]) == 0
+    out = Path(args[list(args).index('--out')+1])
+    return json.loads((out/'metrics.json').read_text())
+
+@pytest.fixture
+def decodes(monkeypatch):
+    "Counts images opened by PIL (every decode of the job, fastai's pipeline's included)"
+    import PIL.Image
+    seen,orig = [],PIL.Image.open
+    def counting(fp, *a, **kw): seen.append(str(fp)); return orig(fp, *a, **kw)
+    monkeypatch.setattr(PIL.Image, 'open', counting)
+    return seen
+
+def model_state(out:Path)->dict:
+    from fastai.learner import load_learner
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); return load_learner(out/'model.pkl').model.state_dict()
+
+JOB = ('--micro-bs', 2, '--n-step', 4, '--bn', 'none', '--epochs', 2, '--valid-pct', 0.3, '--device', 'cpu', '--weights', 'none')
+
+def test_each_image_is_decoded_once_ever(tmp_path, decodes):
+    """The first run decodes each of the 30 images exactly once (checking and caching in one pass: 21 training images at
+    the size plus the crop's margin, 9 validation images at the size); its epochs and a second run decode none, and
+    train alike. The exported Learner predicts from an image file"""
+    data,cache = make_folder(tmp_path/'imgs', size=40),tmp_path/'cache'
+    m = run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'a')
+    assert sorted(decodes) == sorted(str(f) for f in data.rglob('*.png')) and m['augment'] is True
+    assert sorted(p.name.split('-', 1)[1].rsplit('-', 1)[0] for p in cache.iterdir()) == ['train-37px', 'valid-32px']
+    decodes.clear()
+    m2 = run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'b')
+    assert decodes == [] and (m2['accuracy'], m2['valid_loss']) == (m['accuracy'], m['valid_loss'])
+    from fastai.learner import load_learner
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore'); label,_,probs = load_learner(tmp_path/'a'/'model.pkl').predict(data/'class1'/'0.png')
+    assert label in m['classes'] and abs(float(probs.sum()) - 1) < 1e-5
+
+def test_without_augmentation_the_cache_trains_as_fastais_pipeline(tmp_path):
+    """--no-augment, same seed: from the cache and through fastai's own pipeline (--cache off: PIL decode and Resize in
+    every epoch) the job trains to identical weights (square images: fastai's training crop is then the whole image)"""
+    import torch
+    data = make_folder(tmp_path/'imgs', size=40)
+    a = run_job('--data', data, *JOB, '--no-augment', '--cache', tmp_path/'cache', '--out', tmp_path/'a')
+    b = run_job('--data', data, *JOB, '--no-augment', '--cache', 'off', '--out', tmp_path/'b')
+    sa,sb = model_state(tmp_path/'a'),model_state(tmp_path/'b')
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert (a['valid_loss'], a['cache'], b['cache']) == (b['valid_loss'], str(tmp_path/'cache'), None)
+    assert not (tmp_path/'cache').exists() or all('px' in p.name for p in (tmp_path/'cache').iterdir())
+
+def test_a_changed_file_rebuilds_an_interrupted_build_is_never_read(tmp_path, decodes):
+    data,cache = make_folder(tmp_path/'imgs', size=40),tmp_path/'cache'
+    run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'a')
+    before = sorted(p.name for p in cache.iterdir())
+    # a half-written cache of another run (killed mid-way) lies there: it is never read
+    (cache/'.x-train-37px.npy.part').write_bytes(b'half')
+    f = data/'class0'/'3.png'; Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(f)   # changed: size and time
+    decodes.clear()
+    run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'b')
+    after = sorted(p.name for p in cache.iterdir() if not p.name.startswith('.'))
+    assert len(after) == 2 and set(after) != set(before)   # the changed split's cache rebuilt, the old one gone
+    assert len(decodes) in (9, 21) and str(f) in decodes   # only that split decoded again
+
+def test_a_corrupt_image_leaves_no_cache(tmp_path):
+    data,cache = make_folder(tmp_path/'imgs', n_classes=2, size=40),tmp_path/'cache'
+    bad = data/'class1'/'3.png'; bad.write_bytes(bad.read_bytes()[:60])
+    out = tmp_path/'out'
+    check_error(run_cli('--data', data, '--cache', cache, '--out', out), out, bad)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+def test_augmentation_on_the_device_changes_training_batches_only():
+    """fastai's aug_transforms run on the (device's) training batches: two passes over the same images differ, the
+    validation batches are the images resized and normalised"""
+    import torch
+    from accum_finetune.data import digits_dls
+    dls = digits_dls(8, augment=True)
+    a,b = dls.train.one_batch()[0],dls.train.one_batch()[0]
+    assert a.shape == (8, 3, 32, 32) and not torch.equal(a, b)
+    plain = digits_dls(8, augment=False)
+    assert torch.equal(dls.valid.one_batch()[0], plain.valid.one_batch()[0])

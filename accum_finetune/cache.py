@@ -1,0 +1,164 @@
+"""Decode once: an image folder's pixels, each resized once to the job's working size (with a margin for random crops in
+training) and kept in a memory-mapped uint8 array per split, in the job's cache folder; and the loader that serves whole
+batches of them, with fastai's augmentation and normalisation done on the device the model is on.
+
+The cache of a split is keyed by its files (paths, sizes, modification times), the size and this module's version: a
+second run on the same folder decodes nothing, a changed, added or removed file builds it again (the stale one goes).
+It is written to a temporary name and renamed when complete, so an interrupted run leaves nothing that is ever read; a
+corrupt image is one clear error naming the file, with nothing of that cache left behind."""
+from __future__ import annotations
+import hashlib, json, math, os, tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ['CACHE_VERSION', 'MARGIN', 'split_items', 'decode', 'cached_split', 'CachedImages', 'cached_dls', 'inference_dls']
+
+CACHE_VERSION = 2   # 2: stored (N, 3, H, W)
+MARGIN = 8/7   # training images are cached this much larger (224 -> 256), for the random-resized crop to the size
+
+def split_items(path:Path, valid_pct:float, seed:int)->tuple[list,list,list]:
+    """(train files, valid files, vocab) exactly as fastai's `ImageDataLoaders.from_folder` splits and labels the folder
+    (its own functions: `get_image_files`, `RandomSplitter`/`GrandparentSplitter`, `parent_label`, the training labels'
+    sorted vocabulary), without decoding an image"""
+    from fastai.data.transforms import get_image_files, RandomSplitter, GrandparentSplitter, parent_label, CategoryMap
+    split = (path/'train').is_dir() and (path/'valid').is_dir()
+    items = get_image_files(path, folders=['train', 'valid']) if split else get_image_files(path)
+    tr,va = (GrandparentSplitter('train', 'valid') if split else RandomSplitter(valid_pct, seed=seed))(items)
+    train,valid = [items[i] for i in tr],[items[i] for i in va]
+    return train,valid,list(CategoryMap([parent_label(f) for f in train]))
+
+def decode(f:Path, size:int)->np.ndarray:
+    "One image file as fastai's validation pipeline sees it: `PILImage.create`, `Resize(size)` (centre), RGB uint8 (H, W, 3)"
+    from fastai.vision.core import PILImage
+    from fastai.vision.augment import Resize
+    return np.asarray(Resize(size)(PILImage.create(f), split_idx=1).convert('RGB'))
+
+def _key(files:list, size:int)->str:
+    h = hashlib.sha256(json.dumps([CACHE_VERSION, size] + [(str(Path(f).resolve()), *(lambda s: (s.st_size, s.st_mtime_ns))(os.stat(f)))
+                                                          for f in files]).encode())
+    return h.hexdigest()[:16]
+
+def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray:
+    """The images `files` at `size`, memory-mapped from `folder` (built first if the folder has none for exactly these
+    files and size). `name` tells this split's cache from the others of the same data (its older versions are removed
+    when a new one is built); `error(f, e)` makes the exception for a file that cannot be read"""
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    path = folder/f'{name}-{size}px-{_key(files, size)}.npy'
+    if path.is_file(): return np.load(path, mmap_mode='r')
+    fd,tmp = tempfile.mkstemp(prefix=f'.{name}-', suffix='.npy.part', dir=folder); os.close(fd)
+    try:
+        arr = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.uint8, shape=(len(files), 3, size, size))   # NCHW, as torch
+        for i,f in enumerate(files):
+            try: arr[i] = decode(f, size).transpose(2, 0, 1)
+            except Exception as e: raise error(f, e) from None
+        arr.flush(); del arr
+        os.replace(tmp, path)   # complete: only now does it have the name that is read
+    finally:
+        if os.path.exists(tmp): os.remove(tmp)
+    for old in folder.glob(f'{name}-{size}px-*.npy'):   # the versions before (changed files): never read again
+        if old != path: old.unlink(missing_ok=True)
+    return np.load(path, mmap_mode='r')
+
+def _loader_class():
+    from fastai.data.load import DataLoader
+    from fastai.torch_core import TensorCategory, TensorImage
+
+    class CachedImages(DataLoader):
+        """fastai's `DataLoader` (its shuffling `rng`, `drop_last`, device moves and batch transforms) over cached images:
+        its dataset is the range of indices, and a batch is read from the array in one indexing operation (no
+        per-image decoding), as (B, 3, H, W) uint8, with its labels"""
+        def __init__(self, images, labels, **kwargs):
+            self.images,self.labels = images,np.asarray(labels, dtype=np.int64)
+            kwargs.pop('dataset', None)   # (`new` passes it)
+            super().__init__(dataset=range(len(self.labels)), **kwargs)   # an item is its index
+        def create_batch(self, idxs):
+            i = np.asarray(idxs)
+            x = torch.from_numpy(self.images[i])   # (fancy indexing copies: a contiguous (B, 3, H, W) batch)
+            return TensorImage(x),TensorCategory(torch.from_numpy(self.labels[i]))
+        def new(self, dataset=None, cls=None, **kwargs):   # fastai's `new` re-creates with the same images and labels
+            res = super().new(dataset, cls or type(self), images=self.images, labels=self.labels, **kwargs)
+            return res
+    return CachedImages
+
+def __getattr__(name):   # `CachedImages` is built on first use: fastai loads only when the job runs
+    if name == 'CachedImages': return _loader_class()
+    raise AttributeError(name)
+
+def _plain_transforms():
+    """fastai's `IntToFloatTensor` and `Normalize` with the same arithmetic, in place on the batch as a plain tensor:
+    the batch's two passes without fastai's typed-tensor dispatch on every op or a new tensor each (2.3x the images/s
+    of fastai's pair on a 2-core CPU, bench/loader_bench.py; on a GPU both are one kernel each anyway)"""
+    from fastai.data.core import Transform
+    from fastai.torch_core import TensorImage
+
+    # (no type annotations: fastai dispatches on them, resolved in module globals; the labels pass through)
+    class ToFloat(Transform):
+        "uint8 images to float in [0, 1], as fastai's `IntToFloatTensor`"
+        order = 10
+        def encodes(self, x):
+            return TensorImage(x.as_subclass(torch.Tensor).float().div_(255.)) if isinstance(x, TensorImage) else x
+
+    class Normalise(Transform):
+        "(x - mean) / std per channel, as fastai's `Normalize`, in place"
+        order = 99
+        def __init__(self, mean, std): super().__init__(); self.mean,self.std = mean,std
+        def _ms(self, t): return (torch.as_tensor(v, dtype=t.dtype, device=t.device).view(1, -1, 1, 1) for v in (self.mean, self.std))
+        def encodes(self, x):
+            if not isinstance(x, TensorImage): return x
+            t = x.as_subclass(torch.Tensor); m,s = self._ms(t)
+            return TensorImage(t.sub_(m).div_(s))
+        def decodes(self, x):
+            if not isinstance(x, TensorImage): return x
+            t = x.as_subclass(torch.Tensor); m,s = self._ms(t)
+            return TensorImage(t*s + m)
+    return ToFloat,Normalise
+
+def batch_tfms(size:int, augment:bool, train:bool)->list:
+    """What runs on the device, on a batch: to float, fastai's `aug_transforms` in training (flips, a small rotation,
+    zoom and warp, lighting, a random-resized crop to `size` of the larger cached image), ImageNet normalisation"""
+    from fastai.vision.augment import aug_transforms
+    from fastai.vision.core import imagenet_stats
+    ToFloat,Normalise = _plain_transforms()
+    return [ToFloat(), *(aug_transforms(size=size, min_scale=0.75) if augment and train else []), Normalise(*imagenet_stats)]
+
+def cached_dls(train:list, valid:list, vocab:list, size:int, bs:int, folder:Path, error, augment:bool=True,
+               valid_bs:int=128, device='cpu', data=None):
+    """`DataLoaders` of the cached images of a split folder (`data`, which names its caches: a data folder's new cache
+    replaces its old one, another folder's stays): the training images at `size` times `MARGIN` when `augment` (the
+    random crop's room), else at `size`; the validation images at `size`"""
+    from fastai.data.core import DataLoaders
+    from fastai.data.core import Pipeline   # (fastcore.transform in fastai 2.7, fasttransform in 2.8)
+    cls = _loader_class()
+    lab = {v: i for i,v in enumerate(vocab)}
+    ys = lambda fs: [lab[Path(f).parent.name] for f in fs]
+    tsize = math.ceil(size*MARGIN) if augment else size
+    tag = hashlib.sha256(str(Path(data or Path(train[0]).parent).resolve()).encode()).hexdigest()[:8]
+    xt,xv = cached_split(train, tsize, folder, f'{tag}-train', error),cached_split(valid, size, folder, f'{tag}-valid', error)
+    cuda = torch.device(device).type == 'cuda'
+    mk = lambda x, y, b, is_train: cls(x, y, bs=b, shuffle=is_train, drop_last=is_train, pin_memory=cuda, device=device,
+                                       after_batch=Pipeline(batch_tfms(size, augment, is_train), split_idx=0 if is_train else 1))
+    dls = DataLoaders(mk(xt, ys(train), bs, True), mk(xv, ys(valid), valid_bs, False), device=device)
+    dls.vocab,dls.c = vocab,len(vocab)
+    return dls
+
+def _x(o): return o['x'] if isinstance(o, dict) else o   # an image file (predict), or the stand-in below
+def _y(o):
+    from fastai.data.transforms import parent_label
+    return o['y'] if isinstance(o, dict) else parent_label(o)
+def _no_split(items): return list(range(len(items))),[]
+
+def inference_dls(vocab:list, size:int, device='cpu', like=None):
+    """fastai `DataLoaders` with the job's inference pipeline (an image file decoded, `Resize(size)`, ImageNet
+    normalisation) and `vocab`: what `learn.export` keeps, so that `load_learner(...).predict(image_file)` works. fastai
+    sets its pipeline up on one item: an image already decoded (`like`, e.g. a cached one), so no file is decoded here"""
+    from fastai.data.block import CategoryBlock, DataBlock
+    from fastai.data.transforms import Normalize
+    from fastai.vision.augment import Resize
+    from fastai.vision.core import imagenet_stats
+    from fastai.vision.data import ImageBlock
+    like = np.zeros((size, size, 3), np.uint8) if like is None else np.asarray(like)   # (H, W, 3), as PIL gives
+    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock(vocab=list(vocab))), splitter=_no_split, get_x=_x, get_y=_y,
+                       item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats))
+    return dblock.dataloaders([dict(x=like, y=vocab[0])], bs=1, device=device, num_workers=0)
