@@ -14,13 +14,14 @@ _API = dict(
     PooledStats='batchnorm', BN_MODES='modes',
     BatchRenorm='norm_layers', BatchRenorm1d='norm_layers', BatchRenorm2d='norm_layers', BatchRenorm3d='norm_layers',
     bn_to_groupnorm='norm_layers', bn_to_batchrenorm='norm_layers',
-    GradientNoiseScale='noise', NoiseScaleSchedule='noise', NoiseScaleReport='noise', noise_estimates='noise')
+    GradientNoiseScale='noise', NoiseScaleSchedule='noise', NoiseScaleReport='noise', noise_estimates='noise',
+    update_bn_stats='precise', precise_bn_stats='precise', PopulationStats='precise', BatchNormReport='precise')
 __all__ = list(_API)
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
-_LAYERS = ('modes', 'compat', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'accumulate', 'batchnorm',
-           'check', 'fsdp', 'noise')
+_LAYERS = ('modes', 'compat', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'precise', 'accumulate',
+           'batchnorm', 'check', 'fsdp', 'noise')
 
 def _load_all():
     import warnings

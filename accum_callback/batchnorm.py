@@ -1,16 +1,18 @@
 """BatchNorm under gradient accumulation: `BatchNormAccumulation` and its modes (pooled running statistics, the momentum
 rule, frozen statistics, conversion to GroupNorm or Batch Renorm), each a small strategy class in `MODES`"""
 from __future__ import annotations
-import warnings
+import contextlib, warnings
 from numbers import Real
 
 import torch
 from fastai.callback.core import Callback
+from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
 from .compat import foreach, module_dicts
+from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
 from .modes import BN_MODES
@@ -74,7 +76,7 @@ class PooledStats:
         nbt = [bn.num_batches_tracked for bn in bns if bn.num_batches_tracked is not None]
         self.nbt_host = [int(v) for v in torch.stack(nbt).tolist()] if any(m is None for m in momenta) and nbt else None
         self.scratch = torch.zeros((), dtype=torch.long, device=dev)   # takes BatchNorm's `num_batches_tracked += 1`
-        self.S,self.views,self.cap = None,[],0
+        self.S,self.views,self.cap,self.paused = None,[],0,False
         self.grow(cap)
         self.counts = [[] for _ in bns]   # per layer, the item count of each slot the window holds
         self.pending,self.n_pend = [],[0]*L   # (layer, items) of each forward of the micro-batch in progress; per layer
@@ -93,7 +95,7 @@ class PooledStats:
         "Forward pre-hook and hook of layer `l`: its buffers swapped for the next free slot, then put back"
         bank,stash,world = self,self.stash,sync_batchnorm_world(self.bns[l])
         def pre(bn, inp):
-            if not bn.training: return
+            if not bn.training or bank.paused: return
             j = len(bank.counts[l]) + bank.n_pend[l]
             if j >= bank.cap: bank.grow(max(j+1, 2*bank.cap))
             b = module_dicts(bn)[0]   # the dict itself: `Module.__setattr__` costs more than the rest of the hook
@@ -272,7 +274,10 @@ class BatchNormAccumulation(Callback):
     'momentum': each BatchNorm momentum m becomes `accumulated_momentum(m, k)` during fit, k micro-batches per window.
     'freeze': BatchNorm layers use their running statistics in training too; affine parameters train if `train_affine`.
     'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
-    'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit."""
+    'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit.
+    `precise=N` (any mode but 'freeze'): at the end of every training epoch (before validation, so at the end of fit too)
+    every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
+    exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md)."""
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
 
     def __init__(self,
@@ -281,8 +286,13 @@ class BatchNormAccumulation(Callback):
         train_affine:bool=True, # 'freeze': keep training the BatchNorm weight and bias
         num_groups:int=32, # 'groupnorm': most groups per layer
         r_max:float=3., d_max:float=5., warmup:int=0, ramp:int=5000, # 'renorm': see `BatchRenorm`
+        precise:int|None=None, # at the end of each training epoch, recompute the running statistics from this many training items with the current weights (`update_bn_stats`)
     ):
         if not isinstance(mode, str) or mode not in BN_MODES: raise ValueError(f"`mode` must be one of {BN_MODES}, got {mode!r}")
+        if precise is not None:
+            whole_number(precise, 'precise')
+            if mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and precise "
+                                                  "statistics would replace them: give one or the other")
         if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
         whole_number(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
         store_attr()
@@ -330,7 +340,23 @@ class BatchNormAccumulation(Callback):
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
     def after_fit(self):
-        if not in_inference(self.learn): self._restore()
+        if in_inference(self.learn): return
+        if self.precise and not getattr(self, '_recomputed', True): self._recompute()   # a fit cancelled mid-epoch
+        self._restore()
+
+    def _recompute(self):
+        "Precise statistics: `update_bn_stats` on `precise` training items, cut as the Learner's micro-batches"
+        learn = self.learn
+        ga = self.ga or next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
+        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+        ctx = (lambda: mp.autocast) if getattr(mp, 'autocast', None) is not None else contextlib.nullcontext
+        banks = getattr(self.active, 'banks', ())
+        for bank in banks: bank.paused = True   # (what 'pool' collects is a training window's, not this)
+        try: self.precise_items = update_bn_stats(learn.model, training_items(learn, self.precise, ga.micro_bs if ga is not None else None,
+                                                                            seed=getattr(learn, 'epoch', 0)), ctx=ctx)
+        finally:
+            for bank in banks: bank.paused = False
+        self._recomputed = True
 
     def _warn_none(self):
         if not self._warned: warnings.warn(f"BatchNormAccumulation(mode={self.mode!r}): the model has no BatchNorm layer; "
@@ -356,7 +382,10 @@ class BatchNormAccumulation(Callback):
 
     # -- events -----------------------------------------------------------------------------------------------------
     def before_train(self):
+        self._recomputed = False
         if self.active is not None: self.active.before_train()
+    def after_train(self):
+        if self.precise: self._recompute()   # before validation: the epoch's model is validated with its own statistics
     def before_batch(self):
         if self.active is not None: self.active.before_batch()
     def after_backward(self):

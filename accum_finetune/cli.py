@@ -62,7 +62,7 @@ def make_parser()->argparse.ArgumentParser:
       "($ACCUM_CALLBACK_CACHE/images); off: fastai's pipeline, every image decoded in every epoch")
     a('--augment', action=argparse.BooleanOptionalAction, default=None, help="fastai's aug_transforms (flips, a small "
       "rotation/zoom/warp, lighting, a random-resized crop) on the training batches, on the device: default on for "
-      "--data, off for the embedded digits (on them without flips)")
+      "--data, off for the embedded digits (on them without flips or lighting)")
     a('--check', action='store_true', help="before training, print `learn.check_accumulation()`: is the accumulated "
       "gradient the big batch's on this model and data, and if not, why")
     a('--check-only', action='store_true', help='print the check and exit without training (nothing written)')

@@ -45,15 +45,18 @@ def _as_image(x):
 def digits_dls(bs:int, classes=DIGITS_FINETUNE, size:int=32, valid_pct:float=0.2, seed:int=42, valid_bs:int=128, device='cpu',
                augment:bool=False):
     """`DataLoaders` of the embedded digits task (shuffled, last incomplete micro-batch dropped, like fastai's);
-    `augment`: fastai's `aug_transforms` on the training batches, on the device, without flips (a flipped digit is
-    another digit, or none)"""
+    `augment`: fastai's `aug_transforms` on the training batches, on the device, without flips or lighting (a small
+    rotation, zoom and warp, a random-resized crop)"""
     x,y = digits_tensors(classes, size)
     tr,va = _split(len(y), valid_pct, seed)
     aug = {}
     if augment:
         from fastai.vision.augment import aug_transforms
         from fastai.data.core import Pipeline   # (fastcore.transform in fastai 2.7, fasttransform in 2.8)
-        aug = dict(after_batch=Pipeline([_as_image, *aug_transforms(size=size, min_scale=0.75, do_flip=False)], split_idx=0))
+        # no flips (a flipped digit is another digit, or none) and no lighting (fastai's works on [0, 1] pixels in logit
+        # space, and these are already normalised to [-1, 1]: it made them nan and the accuracy 0.24)
+        aug = dict(after_batch=Pipeline([_as_image, *aug_transforms(size=size, min_scale=0.75, do_flip=False, max_lighting=0.)],
+                                        split_idx=0))
     train = DataLoader(DigitsDataset(x[tr], y[tr]), bs=bs, shuffle=True, drop_last=True, **aug)
     valid = DataLoader(DigitsDataset(x[va], y[va]), bs=valid_bs)
     dls = DataLoaders(train, valid, device=device)

@@ -390,3 +390,25 @@ def noise_scale_ranks(rank, world_size):
         except Exception as e: out[kind] = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         dist.barrier()
     return out
+
+# -- precise BatchNorm statistics under DDP and FSDP2 (tests/test_precise.py) ---------------------------------------
+def precise_ranks(rank, world_size):
+    "Each rank its 20 items (rank 1's shifted): `update_bn_stats` of a DDP, then an FSDP2 model, in micro-batches of 5"
+    from accum_callback.precise import update_bn_stats
+    from test_precise import BNNet, images
+    out = {}
+    x = images(seed=rank, shift=float(rank)).tensors[0][:20]
+    for kind in ('ddp', 'fsdp'):
+        try:
+            model = BNNet().double()
+            if kind == 'ddp': wrapped = DDP(model)
+            else:
+                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.device_mesh import init_device_mesh
+                wrapped = fully_shard(model, mesh=init_device_mesh('cpu', (world_size,)))
+            n = update_bn_stats(wrapped, [(x[i:i+5],) for i in range(0, 20, 5)])
+            out[kind] = dict(n=n, stats=[(m.running_mean.clone(), m.running_var.clone()) for m in model.modules()
+                                         if isinstance(m, nn.modules.batchnorm._BatchNorm)])
+        except Exception as e: out[kind] = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        dist.barrier()
+    return out

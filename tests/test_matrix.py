@@ -44,8 +44,8 @@ WINDOWS = dict(
 )
 SPANS = {'n_step', 'target_bs', 'micro_bs_window', 'bn_freeze', 'bn_groupnorm', 'check_batchnorm', 'check_dropout'}   # windows of several loader batches
 INFERENCE_OOM = ('auto_valid_forward', 'auto_valid_loss')
-BN_RUNS = ('bn_pool', 'bn_momentum', 'bn_renorm')
-OTHER = ('lr_find', 'fine_tune', 'inference', 'export')
+BN_RUNS = ('bn_pool', 'bn_momentum', 'bn_renorm', 'bn_precise')
+OTHER = ('lr_find', 'fine_tune', 'inference', 'export', 'noise_scale')
 COLUMNS = list(WINDOWS) + list(INFERENCE_OOM) + list(BN_RUNS) + list(OTHER) + ['ddp']
 
 def applies(row:Row, col:str)->bool:
@@ -67,6 +67,7 @@ def expected(name:str, col:str)->tuple:
     if col in INFERENCE_OOM or col == 'export': return ('equal', frozenset())
     if col == 'inference': return ('equal' + ('' if row.tta else ' (no tta in fastai)'), frozenset())
     if col == 'ddp': return ('exact', frozenset())
+    if col == 'noise_scale': return ('measured', frozenset())
     return ('runs', frozenset())
 
 CELLS = [(n, c) for n in ROWS for c in COLUMNS if applies(ROWS[n], c)]
@@ -74,8 +75,9 @@ CELLS = [(n, c) for n in ROWS for c in COLUMNS if applies(ROWS[n], c)]
 def build(row:Row, col:str, cbs=(), bs=BS, **kw):
     "The row's Learner for a column: BatchNorm frozen and dropout off unless the column is about them"
     bn = {'bn_freeze': 'freeze', 'bn_groupnorm': 'groupnorm', 'bn_pool': 'pool', 'bn_momentum': 'momentum',
-          'bn_renorm': 'renorm', 'check_batchnorm': None}.get(col, 'freeze')
-    extra = [BatchNormAccumulation(bn, num_groups=4)] if row.bn and bn else []   # (tiny layers: 2 channels a group)
+          'bn_renorm': 'renorm', 'bn_precise': 'pool', 'check_batchnorm': None}.get(col, 'freeze')
+    kw_bn = dict(precise=12) if col == 'bn_precise' else {}
+    extra = [BatchNormAccumulation(bn, num_groups=4, **kw_bn)] if row.bn and bn else []   # (tiny layers: 2 channels a group)
     return row.make(list(cbs) + extra, dropout=col == 'check_dropout', bs=bs, **(row.spans_kw if col in SPANS else {}), **kw)
 
 # -- the cells -----------------------------------------------------------------------------------------------------
@@ -145,6 +147,12 @@ def test_batchnorm_mode_cell(name, col, one_thread):
     if col == 'bn_renorm':
         from accum_callback import BatchRenorm
         assert bns and all(isinstance(m, BatchRenorm) for m in bns)
+    if col == 'bn_precise':   # the statistics of the final weights, from 12 training items; and the check of them
+        assert next(cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)).precise_items >= 12
+        with warnings.catch_warnings():
+            warnings.filterwarnings('ignore', message='bn_to_groupnorm: .* got one channel per group')
+            r = learn.check_batchnorm(12)
+        assert len(r.layers) == len([m for m in bns if m.num_features]) and all(map(math.isfinite, r.running + r.precise))
     assert all(math.isfinite(v) for v in learn.validate())
 
 @pytest.mark.parametrize('name', [n for n,c in CELLS if c == 'lr_find'])
@@ -217,6 +225,23 @@ def test_ddp_cell(name, ddp_runs):
         assert sum(r['sizes']) == N_TRAIN//2, (rank, r)   # DistributedDL: each rank half the samples
         assert max(r['errs']) <= TOL, (rank, r['errs'])
         assert r['check'], f'rank {rank}: the check says NOT exact'
+
+@pytest.mark.parametrize('name', [n for n,c in CELLS if c == 'noise_scale'])
+def test_noise_scale_cell(name, one_thread):
+    """`GradientNoiseScale` measures every window of two micro-batches (finite squared norms, sizes in the row's items),
+    and `learn.noise_scale()` measures at the current weights without changing them"""
+    from accum_callback import GradientNoiseScale
+    row,noise = ROWS[name],GradientNoiseScale()
+    learn = build(row, 'noise_scale', [GradientAccumulation(n_step=2), noise])
+    quiet_fit(learn, 1)
+    ga = learn.gradient_accumulation
+    full = [m for m in ga.window_micro if m == 2]
+    assert len(noise.values('g2')) == len(full) >= 2 and all(map(math.isfinite, noise.values('g_small2') + noise.values('g_big2')))
+    w = flat(learn.model.parameters()).detach().clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='bn_to_groupnorm: .* got one channel per group')
+        r = learn.noise_scale(n_windows=2, n_step=2)
+    assert r.n_windows == 2 and torch.equal(flat(learn.model.parameters()).detach(), w)
 
 # -- the table in docs/fastai.md -----------------------------------------------------------------------------------
 def matrix_markdown()->str:

@@ -1,0 +1,214 @@
+"""BatchNorm statistics of the current weights ("precise BN": Wu & Johnson 2021, "Rethinking 'Batch' in BatchNorm";
+fvcore's `update_bn_stats`). A BatchNorm layer's running statistics move once per optimizer step, so after few steps
+(a short run, or one from scratch) they lag far behind what the final weights produce, accumulated or not. Here every
+BatchNorm layer's running mean and variance are recomputed from many training items with the current weights: each
+layer normalises every micro-batch with its own statistics, as in training, and its inputs' statistics are pooled
+exactly over the micro-batches (and over DDP/FSDP2 ranks, as SyncBatchNorm would), without gradients, and without
+touching the weights, the optimizer or any RNG."""
+from __future__ import annotations
+import contextlib, random
+from dataclasses import dataclass
+
+import numpy as np
+import torch, torch.nn as nn
+import torch.distributed as dist
+from fastai.learner import Learner
+from fastcore.basics import patch
+
+from .compat import BatchNormBase
+from .distributed import is_distributed
+
+__all__ = ['PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'training_items', 'BatchNormReport']
+
+class PopulationStats:
+    """One layer's inputs over many micro-batches, per channel: items `n`, sum and sum of squares (float64), from each
+    micro-batch's mean and population variance; `mean`, and `var` unbiased (BatchNorm's running convention)"""
+    def __init__(self): self.n,self.s1,self.s2 = 0.,None,None
+    def update(self, mean:torch.Tensor, var:torch.Tensor, n:int):
+        mean,var = mean.double(),var.double()
+        s1,s2 = mean*n,(var + mean.square())*n
+        self.s1,self.s2 = (s1,s2) if self.s1 is None else (self.s1 + s1,self.s2 + s2)
+        self.n += n
+    def sum_over_ranks(self):
+        "Every rank's items together (one all-reduce of count, sums and sums of squares)"
+        t = torch.cat([self.s1, self.s2, self.s1.new_tensor([self.n])])
+        dist.all_reduce(t)
+        c = len(self.s1)
+        self.s1,self.s2,self.n = t[:c],t[c:2*c],float(t[-1])
+    @property
+    def mean(self)->torch.Tensor: return self.s1/self.n
+    @property
+    def var(self)->torch.Tensor:
+        "The unbiased variance (what BatchNorm keeps as `running_var`)"
+        return (self.s2/self.n - self.mean.square()).clamp_min(0)*(self.n/max(self.n-1, 1))
+
+def bn_layers_with_stats(model:nn.Module)->list:
+    "The BatchNorm layers (Batch Renorm's included) that keep running statistics"
+    return [m for m in model.modules() if isinstance(m, BatchNormBase) and m.running_mean is not None]
+
+class _Stats(dict):
+    "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
+    n_items = 0
+
+@contextlib.contextmanager
+def _rngs_kept():
+    "Every RNG (torch's CPU and CUDA, Python's, numpy's) as it was, after the block"
+    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+             random.getstate(), np.random.get_state())
+    try: yield
+    finally:
+        torch.set_rng_state(saved[0])
+        if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
+        random.setstate(saved[2]); np.random.set_state(saved[3])
+
+@torch.no_grad()
+def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext)->dict:
+    """`{layer: PopulationStats}` of every BatchNorm layer's inputs over `batches` (each an input or a tuple of inputs
+    to `forward`, default `model(*xb)`), run with the BatchNorm layers in training mode (each micro-batch normalised by
+    its own statistics) and everything else in eval mode (no dropout). Nothing of the model changes: modes, buffers and
+    Batch Renorm's step counters are put back, and every RNG. `ctx()` wraps each forward (autocast, say). Under DDP or
+    FSDP2 (a sharded model or a running process group with a distributed `model`) the statistics are every rank's:
+    every rank must pass the same number of batches."""
+    forward = forward or (lambda xb: model(*xb))
+    bns = bn_layers_with_stats(model)
+    n_items = 0
+    stats = _Stats({bn: PopulationStats() for bn in bns})
+    modes = [(m, m.training) for m in model.modules()]
+    bufs = [(t, t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None]
+    steps = [(m, m.renorm_steps) for m in bns if hasattr(m, 'renorm_steps')]
+    def hook(bn):
+        def pre(mod, inp):
+            x = inp[0]
+            dims = [0] + list(range(2, x.ndim))
+            var,mean = torch.var_mean(x.float(), dim=dims, correction=0)
+            stats[mod].update(mean, var, x.numel()//x.shape[1])
+        return bn.register_forward_pre_hook(pre)
+    handles = [hook(bn) for bn in bns]
+    try:
+        with _rngs_kept():
+            model.eval()
+            for bn in bns: bn.train()
+            for xb in batches:
+                xb = xb if isinstance(xb, (tuple, list)) else (xb,)
+                with ctx(): forward(xb)
+                n_items += xb[0].shape[0]
+    finally:
+        for h in handles: h.remove()
+        for m,t in modes: m.training = t
+        for t,v in bufs: t.copy_(v)
+        for m,k in steps: m.renorm_steps = k
+    if is_distributed(model) and dist.is_available() and dist.is_initialized():
+        for s in stats.values():
+            if s.s1 is not None: s.sum_over_ranks()
+        t = torch.tensor([float(n_items)], dtype=torch.float64, device=next(iter(stats)).running_mean.device if stats else 'cpu')
+        dist.all_reduce(t); n_items = int(t.item())
+    stats.n_items = n_items
+    return stats
+
+@torch.no_grad()
+def update_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext)->int:
+    """Recompute every BatchNorm layer's `running_mean` and `running_var` from `batches` (`precise_bn_stats`) and
+    write them in; `num_batches_tracked` and everything else are left alone. Returns the items (samples) of the
+    batches, all ranks together"""
+    stats = precise_bn_stats(model, batches, forward, ctx)
+    for bn,s in stats.items():
+        if s.s1 is None: continue   # a layer no batch reached
+        bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype)); bn.running_var.copy_(s.var.to(bn.running_var.dtype))
+    return stats.n_items
+
+def training_items(learn, n:int, size:int|None=None, seed:int=0):
+    """Yield about `n` items of `learn`'s training loader as inputs (tuples), on the model's device: its batches in an
+    order of their own (shuffled from `seed`; the training loader and its RNG are not touched), cut into pieces of at
+    most `size` items where given (the Learner's micro-batches), up to the first piece that reaches `n`. Under DDP every
+    rank takes its own shard of the loader and as many pieces"""
+    from fastai.torch_core import find_bs, to_device
+    from .micro import piece_bounds, slice_batch
+    dl = learn.dls.train
+    try: dl = dl.new(shuffle=True, drop_last=False)
+    except Exception: pass   # a loader of ready-made batches: its own order
+    if hasattr(dl, 'rng'): dl.rng = random.Random(seed)
+    dev = next(iter(learn.model.parameters())).device
+    n_inp = getattr(learn.dls, 'n_inp', 1)
+    seen = 0
+    for b in dl:
+        b = to_device(b, dev)
+        xb = tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
+        m = find_bs(xb)
+        for s,e in (piece_bounds(m, size) if size else [(0, m)]):
+            yield xb if (s, e) == (0, m) else slice_batch(xb, s, e)
+            seen += e - s
+            if seen >= n: return
+
+# -- learn.check_batchnorm(): how stale are the running statistics? ----------------------------------------------------
+
+@dataclass
+class BatchNormReport:
+    """What `learn.check_batchnorm()` measured: per BatchNorm layer, how far its running statistics are from those of
+    the current weights (`layers`: name, mean's distance in units of the precise standard deviation (RMS over channels),
+    variance's relative error), the `worst` three, and the validation results (`names`) with the running statistics
+    (`running`) and with the recomputed ones (`precise`), on `n_items` training items; `advice`"""
+    layers: list
+    worst: list
+    names: list
+    running: list
+    precise: list
+    n_items: int
+    advice: str = ''
+
+    def rows(self)->list:
+        fmt = lambda vs: ', '.join(f'{n} {v:.4f}' for n,v in zip(self.names, vs))
+        rows = [('layers', f'{len(self.layers)} BatchNorm layers, statistics recomputed from {self.n_items} training items'),
+                ('worst layers', ', '.join(f'{n} (mean {m:.2f} sd off, var {v:.0%})' for n,m,v in self.worst)),
+                ('validation, running', fmt(self.running)), ('validation, precise', fmt(self.precise))]
+        return rows + [('advice', self.advice)]
+    def __str__(self):
+        rows = self.rows(); w = max(len(k) for k,_ in rows)
+        return '\n'.join(['check_batchnorm', '-'*(w+60)] + [f'{k:<{w}}  {v}' for k,v in rows])
+    __repr__ = __str__
+    def _repr_markdown_(self): return '| check_batchnorm | |\n|---|---|\n' + '\n'.join(f'| {k} | {v} |' for k,v in self.rows())
+
+def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
+    from .micro import copy_module
+    from .distributed import is_fsdp, unwrap
+    from .schedule import whole_number
+    n_items = whole_number(n_items, 'n_items')
+    if is_fsdp(learn.model): raise ValueError("check_batchnorm: the model is sharded with FSDP2; check before sharding it")
+    model = unwrap(learn.model)
+    if not bn_layers_with_stats(model):
+        raise ValueError("check_batchnorm: the model has no BatchNorm layer with running statistics: nothing to check")
+    ga = getattr(learn, 'gradient_accumulation', None)
+    copy = copy_module(model)
+    names = {m: n for n,m in copy.named_modules()}
+    stats = precise_bn_stats(copy, training_items(learn, n_items, getattr(ga, 'micro_bs', None)))
+    layers = []
+    for bn,s in stats.items():
+        if s.s1 is None: continue
+        sd = s.var.sqrt().clamp_min(1e-12)
+        dm = float(((bn.running_mean.double() - s.mean)/sd).square().mean().sqrt())
+        dv = float((bn.running_var.double() - s.var).norm()/s.var.norm().clamp_min(1e-30))
+        layers.append((names[bn] or '<root>', dm, dv))
+    worst = sorted(layers, key=lambda l: -max(l[1], l[2]))[:3]
+    with learn.no_bar(): running = [float(v) for v in learn.validate()]
+    for bn,s in stats.items():
+        if s.s1 is not None: bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype)); bn.running_var.copy_(s.var.to(bn.running_var.dtype))
+    saved = learn.model
+    learn.model = copy
+    try:
+        with learn.no_bar(): precise = [float(v) for v in learn.validate()]
+    finally: learn.model = saved
+    names_ = ['valid_loss'] + [getattr(m, 'name', type(m).__name__) for m in learn.metrics]
+    better = precise[0] < running[0]
+    advice = ("the running statistics lag the weights: recompute them, `BatchNormAccumulation(mode, precise=N)` (every "
+              "epoch) or `update_bn_stats(learn.model, ...)` after fit" if better else
+              "the running statistics serve the current weights as well as recomputed ones: nothing to do")
+    return BatchNormReport(layers=layers, worst=worst, names=names_, running=running, precise=precise,
+                           n_items=stats.n_items, advice=advice)
+
+@patch
+def check_batchnorm(self:Learner,
+    n_items:int=512, # training items to recompute the statistics from (the Learner's micro-batches)
+)->BatchNormReport:
+    """How far are the BatchNorm layers' running statistics from those of the current weights, and does it matter?
+    Recomputes them on a copy of the model (`precise_bn_stats`) and validates both ways; changes nothing (RNGs included:
+    fastai's validation draws from torch's)"""
+    with _rngs_kept(): return _check_batchnorm(self, n_items)

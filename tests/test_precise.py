@@ -1,0 +1,129 @@
+"""BatchNorm statistics of the current weights (issue 32): `update_bn_stats` and `BatchNormAccumulation(precise=N)`
+against the exact statistics of the same items in one pass. The oracle runs the same micro-batches through a float64
+copy of the model (BatchNorm normalising each micro-batch with its own statistics, as the recomputation does),
+catches every BatchNorm layer's inputs, and takes their mean and unbiased variance over all of them at once."""
+import copy, random
+import numpy as np, pytest, torch, torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
+from accum_callback.precise import training_items
+from helpers import fit_quiet, make_learner
+
+TOL = 1e-6   # relative, float64 against float64
+
+class BNNet(nn.Module):
+    "Two BatchNorm layers (a 2d after a conv, a 1d after a linear): the second's inputs depend on the first's normalisation"
+    def __init__(self, seed=0):
+        super().__init__(); torch.manual_seed(seed)
+        self.c,self.b1,self.l,self.b2,self.h = nn.Conv2d(3, 6, 3),nn.BatchNorm2d(6),nn.Linear(6*6*6, 10),nn.BatchNorm1d(10),nn.Linear(10, 3)
+    def forward(self, x): return self.h(torch.relu(self.b2(self.l(torch.relu(self.b1(self.c(x))).flatten(1)))))
+
+def images(n=40, seed=0, shift=0.):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(2 + shift + 3*torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+
+def oracle(model, batches)->list:
+    "Every BatchNorm layer's inputs over `batches` in one float64 tensor each: (mean, unbiased var) per layer"
+    m = copy.deepcopy(model).double().eval()
+    bns = [x for x in m.modules() if isinstance(x, nn.modules.batchnorm._BatchNorm)]
+    for bn in bns: bn.train()
+    seen = {bn: [] for bn in bns}
+    hs = [bn.register_forward_pre_hook(lambda mod, inp: seen[mod].append(inp[0].detach())) for bn in bns]
+    with torch.no_grad():
+        for (xb,) in batches: m(xb.double())
+    for h in hs: h.remove()
+    out = []
+    for bn in bns:
+        x = torch.cat(seen[bn]).transpose(0, 1).reshape(bn.num_features, -1)
+        out.append((x.mean(1), x.var(1, unbiased=True)))
+    return out
+
+def rel(a, b): return float((a.double()-b.double()).norm()/b.double().norm())
+
+def stats(model): return [(m.running_mean.clone(), m.running_var.clone()) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+def test_recomputed_statistics_are_the_exact_statistics_of_the_items():
+    "Micro-batches of 5 (and a last of 3): each layer's running mean and variance are those of all their inputs at once"
+    model = BNNet().double()
+    x = images().tensors[0][:38]
+    batches = [(x[i:i+5],) for i in range(0, 38, 5)]
+    before = {k: v.clone() for k,v in model.state_dict().items()}
+    n = update_bn_stats(model, batches)
+    assert n == 38
+    for (m,v),(om,ov) in zip(stats(model), oracle(model, batches)): assert rel(m, om) <= TOL and rel(v, ov) <= TOL
+    after = model.state_dict()
+    for k,v in before.items():   # only the running statistics changed
+        if 'running' not in k: assert torch.equal(v, after[k]), k
+    assert model.training   # modes put back
+
+def test_precise_in_the_callback_changes_nothing_else_and_equals_the_oracle():
+    """`BatchNormAccumulation('pool', precise=24)` with micro_bs=3 pieces: the final running statistics are the oracle's
+    over the pieces `training_items` gives for the last epoch; the weights, the optimizer state and the sample order are
+    those of the same fit without `precise` (the recomputation touches no RNG and not the training loader)"""
+    def run(precise):
+        torch.manual_seed(0); random.seed(0)
+        learn = make_learner(images(), 8, cbs=[GradientAccumulation(micro_bs=3, n_step=2), BatchNormAccumulation('pool', precise=precise)],
+                             model=BNNet(), loss_func=nn.CrossEntropyLoss(), dtype=torch.float64, shuffle=True)
+        fit_quiet(learn, 2)
+        return learn
+    a,b = run(24),run(None)
+    wa,wb = [p.detach() for p in a.model.parameters()],[p.detach() for p in b.model.parameters()]
+    assert all(torch.equal(x, y) for x,y in zip(wa, wb))
+    bna = next(cb for cb in a.cbs if isinstance(cb, BatchNormAccumulation))
+    assert bna.precise_items >= 24
+    items = list(training_items(a, 24, 3, seed=1))
+    assert [len(x[0]) for x in items] == [3, 3, 2]*3 and sum(len(x[0]) for x in items) == bna.precise_items   # loader batches of 8 in 3+3+2
+    for (m,v),(om,ov) in zip(stats(a.model), oracle(a.model, items)): assert rel(m, om) <= TOL and rel(v, ov) <= TOL
+    assert any(rel(m, n) > 1e-3 for (m,_),(n,_) in zip(stats(a.model), stats(b.model)))   # ... and they are not 'pool''s
+
+def test_validation_sees_the_recomputed_statistics():
+    "The epoch's validation runs after the recomputation (it is done in after_train): its loss is the precise model's"
+    learn = make_learner(images(), 8, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool', precise=16)], model=BNNet(),
+                         loss_func=nn.CrossEntropyLoss(), dtype=torch.float64)
+    fit_quiet(learn, 1)
+    fit_loss = learn.recorder.values[-1][1]
+    assert abs(learn.validate()[0] - fit_loss) <= 1e-12
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="precise.*'freeze'"): BatchNormAccumulation('freeze', precise=10)
+    with pytest.raises(ValueError, match='precise'): BatchNormAccumulation('pool', precise=0)
+    with pytest.raises(TypeError, match='precise'): BatchNormAccumulation('pool', precise=2.5)
+
+def test_under_ddp_and_fsdp2_the_statistics_are_every_ranks():
+    "2 gloo processes, each its own half of the items: every rank's running statistics are those of all the items"
+    import ddp_worker as W
+    r0,r1 = W.spawn(W.precise_ranks, timeout=120)
+    model = BNNet().double()
+    x = torch.cat([images(seed=0).tensors[0][:20], images(seed=1, shift=1.).tensors[0][:20]])   # what the two ranks hold
+    for kind in ('ddp', 'fsdp'):
+        a,b = r0[kind],r1[kind]
+        assert 'error' not in a, a.get('error')
+        per_rank = [[(x[r*20 + i: r*20 + i + 5],) for i in range(0, 20, 5)] for r in (0, 1)]
+        want = oracle(model, per_rank[0] + per_rank[1])
+        for s in (a['stats'], b['stats']):
+            for (m,v),(om,ov) in zip(s, want): assert rel(m, om) <= TOL and rel(v, ov) <= TOL, kind
+        assert a['n'] == b['n'] == 40
+
+def test_check_batchnorm_measures_both_ways_and_changes_nothing():
+    """`learn.check_batchnorm()`: the validation with the running statistics is the Learner's own; with recomputed
+    ones, that of a copy whose statistics `update_bn_stats` set from the same items; the Learner is left as it was"""
+    from fastai.metrics import accuracy
+    learn = make_learner(images(), 8, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool')], model=BNNet(),
+                         loss_func=nn.CrossEntropyLoss(), dtype=torch.float64)
+    learn.metrics = [accuracy]
+    fit_quiet(learn, 1)
+    state = {k: v.clone() for k,v in learn.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    r = learn.check_batchnorm(32)
+    assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in state.items()) and torch.equal(torch.get_rng_state(), rng)
+    with learn.no_bar(): assert r.running == [float(v) for v in learn.validate()]
+    m = copy.deepcopy(learn.model)
+    update_bn_stats(m, training_items(learn, 32))
+    saved,learn.model = learn.model,m
+    with learn.no_bar(): want = [float(v) for v in learn.validate()]
+    learn.model = saved
+    assert r.precise == want and r.n_items == 32 and len(r.layers) == 2 and r.names == ['valid_loss', 'accuracy']
+    assert 'check_batchnorm' in str(r) and ('lag' in r.advice) == (r.precise[0] < r.running[0])
+    with pytest.raises(ValueError, match='no BatchNorm'):
+        make_learner(images(), 8, model=nn.Sequential(nn.Flatten(), nn.Linear(192, 3)).double(), loss_func=nn.CrossEntropyLoss()).check_batchnorm()
