@@ -7,7 +7,7 @@ import importlib as _importlib, sys as _sys
 # fastai load; where fastai is loaded already (a notebook), everything loads now and `Learner.accumulate` is there at once.
 _API = dict(
     GradientAccumulation='accumulate', Window='accumulate', PARTIAL_MODES='accumulate', is_out_of_memory='micro',
-    stateful_modules='micro', check_accumulation='check', AccumulationReport='check', CHECK_CAUSES='check',
+    stateful_modules='micro', MicroBatching='micro', check_accumulation='check', AccumulationReport='check', CHECK_CAUSES='check',
     loss_items='losses', loss_reduction='losses', default_blocks='fsdp', fsdp_full_state_dict='fsdp',
     WindowSchedule='schedule', as_window_schedule='schedule', batch_growth_from_lr='schedule',
     BatchNormAccumulation='batchnorm', MODES='batchnorm', accumulated_momentum='batchnorm', pooled_mean_var='batchnorm',
@@ -21,7 +21,7 @@ __all__ = list(_API)
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
 _LAYERS = ('modes', 'compat', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'precise', 'accumulate',
-           'batchnorm', 'check', 'fsdp', 'noise')
+           'batchnorm', 'check', 'fsdp', 'noise', 'testing')
 
 def _load_all():
     import warnings

@@ -12,6 +12,7 @@ from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
 from .compat import foreach, module_dicts
+from .micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
@@ -336,7 +337,10 @@ class BatchNormAccumulation(Callback):
         if not bns: return self._warn_none()
         self.active = mode(self)
         self.active.start(bns)
-        if mode.needs_windows: self.ga.on_window_close(self._window_closed); self.ga.on_micro_undo(self._micro_undone)
+        if mode.needs_windows:
+            self.ga.on_window_close(self._window_closed)
+            self.mb = micro_batching(self.learn)
+            if self.mb is not None: self.mb.on_undo(self._micro_undone)
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
     def after_fit(self):
@@ -347,12 +351,11 @@ class BatchNormAccumulation(Callback):
     def _recompute(self):
         "Precise statistics: `update_bn_stats` on `precise` training items, cut as the Learner's micro-batches"
         learn = self.learn
-        ga = self.ga or next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         ctx = (lambda: mp.autocast) if getattr(mp, 'autocast', None) is not None else contextlib.nullcontext
         banks = getattr(self.active, 'banks', ())
         for bank in banks: bank.paused = True   # (what 'pool' collects is a training window's, not this)
-        try: self.precise_items = update_bn_stats(learn.model, training_items(learn, self.precise, ga.micro_bs if ga is not None else None,
+        try: self.precise_items = update_bn_stats(learn.model, training_items(learn, self.precise, micro_size(learn),
                                                                             seed=getattr(learn, 'epoch', 0)), ctx=ctx)
         finally:
             for bank in banks: bank.paused = False
@@ -367,7 +370,8 @@ class BatchNormAccumulation(Callback):
         "Put back momentum, train/eval mode and requires_grad, remove the hooks and forget any window"
         if self.active is not None: self.active.restore()
         self.active = None
-        if self.ga is not None: self.ga.remove_window_listener(self._window_closed); self.ga.remove_undo_listener(self._micro_undone)
+        if self.ga is not None: self.ga.remove_window_listener(self._window_closed)
+        if getattr(self, 'mb', None) is not None: self.mb.remove_undo_listener(self._micro_undone); self.mb = None
         remove_fit_guard(self.learn, 'batch_norm_accumulation')
 
     def _tag_norm_params(self):

@@ -3,7 +3,6 @@
 is gone. docs/versions.md lists them with what each is for; `tests/test_package.py` fails when another module reaches
 for a private torch name itself."""
 from __future__ import annotations
-import sys
 
 import torch, torch.nn as nn
 

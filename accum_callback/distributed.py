@@ -12,7 +12,7 @@ from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp
 
 __all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
            'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
-           'set_resharding', 'fsdp_group_count',
+           'set_resharding', 'zero_grads', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
            'gloo_distributed_dl']
 
@@ -85,6 +85,17 @@ def discard_unsharded_grads(model):
     """Drop the gradients FSDP2 holds unsharded between backward passes without sync (where the optimizer's
     `zero_grad` does not reach): a window that ends without its step must not leak into the next"""
     for fp in fsdp_params(model): clear_held_grads(fp)
+
+def zero_grads(model, opt=None, reshard:bool=False):
+    """Zero the gradients of `model` (through `opt` where there is one), those FSDP2 holds unsharded between backward
+    passes too; `reshard`: FSDP2's parameters kept gathered through a window are resharded"""
+    if is_fsdp(model):
+        discard_unsharded_grads(model)
+        if reshard: set_resharding(model, True, True, now=True)
+    if opt is not None: opt.zero_grad()
+    else:
+        for p in model.parameters():
+            if p.grad is not None: p.grad.detach_(); p.grad.zero_()
 
 def set_resharding(model, forward:bool, backward:bool, now:bool=False):
     "FSDP2: whether parameters are freed (resharded) after each forward / backward; `now`: reshard them at once"

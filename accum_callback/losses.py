@@ -4,9 +4,10 @@ weighs each micro-batch by it when the user gives no `n_items`; `loss_reduction`
 the sum it is). An unknown loss gives None: the batch size rule stands, and `check_accumulation` tells when it is off."""
 from __future__ import annotations
 import functools
+from numbers import Integral
 import torch, torch.nn as nn
 
-__all__ = ['loss_reduction', 'loss_items', 'SUM_LOSSES']
+__all__ = ['loss_reduction', 'loss_items', 'micro_items', 'SUM_LOSSES']
 
 def _inner(lf):
     """The torch loss module behind fastai's `BaseLoss` wrappers (`CrossEntropyLossFlat`, ..., and a subclass that keeps
@@ -56,3 +57,14 @@ def loss_items(loss_func, yb)->torch.Tensor|None:
     w = getattr(f, 'weight', None)
     if w is None: return keep.sum().float()
     return (w.to(t.device)[torch.where(keep, t, 0).long()] * keep).sum().float()
+
+def micro_items(learn, n_items=None, default=None):
+    """The count a micro-batch's loss averages over, the one rule of training and of the check: `n_items(learn)` (the
+    user's), else that of a known weighted / `ignore_index` loss (`loss_items`), else `default` (the batch size). A number
+    or a 0-d float tensor (not synchronised: the window sums them on the device)"""
+    n = n_items(learn) if n_items is not None else loss_items(learn.loss_func, learn.yb)
+    if n is None: n = default
+    if isinstance(n, torch.Tensor): return n.detach().float().squeeze()
+    if isinstance(n, bool) or not isinstance(n, (Integral, float)):
+        raise TypeError(f"`n_items` must return an int or a 0-d tensor, got {type(n).__name__}")
+    return n

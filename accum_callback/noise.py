@@ -22,7 +22,7 @@ from fastcore.basics import patch
 
 from .accumulate import GradientAccumulation
 from .check import _Runner, _device, _loader, _stream, copy_module, unwrap
-from .micro import piece_bounds
+from .micro import micro_size, n_pieces
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
 from .guard import in_inference
@@ -165,12 +165,14 @@ class GradientNoiseScale(Callback):
     def plot_noise_scale(self, ax=None):
         "B_simple and the effective batch (items per step) against optimizer steps, on a log scale; returns the axes"
         import matplotlib.pyplot as plt
-        if ax is None: _,ax = plt.subplots(figsize=(6, 3.5))
+        new = ax is None
+        if new: _,ax = plt.subplots(figsize=(6, 3.5))
         steps = self.values('step')
         ax.plot([s+1 for s in steps], self.b_simple_history, label='noise scale $B_{simple}$')
         if self.ga is not None and self.ga.window_sizes:
             ax.plot(range(1, len(self.ga.window_sizes)+1), self.ga.window_sizes, label='effective batch (items per step)')
         ax.set_yscale('log'); ax.set_xlabel('optimizer step'); ax.set_ylabel('items'); ax.legend()
+        if new: ax.figure.tight_layout()
         return ax
 
 class NoiseScaleSchedule:
@@ -256,9 +258,9 @@ def noise_scale(self:Learner,
     saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              random.getstate(), np.random.get_state())
     try:
-        size = ga.micro_bs if ga is not None else None
+        size = micro_size(self)
         dl = _loader(self, shuffle=True, seed=seed)
-        per_epoch = sum(len(piece_bounds(n, size)) if size else 1 for n in _batch_sizes(dl))
+        per_epoch = sum(n_pieces(n, size) if size else 1 for n in _batch_sizes(dl))
         stream = _stream(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
         from .batchnorm import BatchNormAccumulation
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)

@@ -168,7 +168,7 @@ class BatchNormReport:
     def _repr_markdown_(self): return '| check_batchnorm | |\n|---|---|\n' + '\n'.join(f'| {k} | {v} |' for k,v in self.rows())
 
 def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
-    from .micro import copy_module
+    from .micro import copy_module, micro_size
     from .distributed import is_fsdp, unwrap
     from .schedule import whole_number
     n_items = whole_number(n_items, 'n_items')
@@ -176,10 +176,9 @@ def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
     model = unwrap(learn.model)
     if not bn_layers_with_stats(model):
         raise ValueError("check_batchnorm: the model has no BatchNorm layer with running statistics: nothing to check")
-    ga = getattr(learn, 'gradient_accumulation', None)
     copy = copy_module(model)
     names = {m: n for n,m in copy.named_modules()}
-    stats = precise_bn_stats(copy, training_items(learn, n_items, getattr(ga, 'micro_bs', None)))
+    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn)))
     layers = []
     for bn,s in stats.items():
         if s.s1 is None: continue

@@ -127,7 +127,7 @@ def folder_dls(path, bs:int, size:int=32, valid_pct:float=0.2, seed:int=42, vali
     if not split: n_tr -= n_va
     if n_va < 1 or n_tr < bs:
         raise DataError(f"--data {path}: {n_tr} training and {n_va} validation images are too few for "
-                        + ("" if split else f"--valid-pct {valid_pct} and ") + f"--micro-bs {bs}")
+                        + ("" if split else f"--valid-pct {valid_pct} and ") + f"a loader batch of {bs} (--loader-bs)")
     if cache is not None:
         from .cache import cached_dls, split_items
         train,valid,vocab = split_items(path, valid_pct, seed)

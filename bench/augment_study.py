@@ -4,7 +4,7 @@ from scratch (circles, squares and triangles of random size, place and colour on
 Reported as measured, whatever it shows (docs/main_job.md).
 
     python bench/augment_study.py [--seeds 3] [--epochs 3]"""
-import argparse, json, os, statistics, sys, tempfile, warnings
+import argparse, json, statistics, tempfile, warnings
 from pathlib import Path
 import numpy as np
 

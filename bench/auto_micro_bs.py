@@ -7,8 +7,7 @@ every fixed micro-batch (the best hand-picked one) and against the uncapped load
 The cap is `torch.cuda.set_per_process_memory_fraction` (the uncapped batch is timed first). Each configuration trains
 a fresh Learner for a warm-up epoch, then a timed epoch (training phase, synchronised), on device-resident fp16 images.
 Prints a markdown table with the device, versions and the command. Needs CUDA."""
-import argparse, datetime, os, sys, time, warnings
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import argparse, datetime, sys, warnings
 import torch, torchvision
 from fastai.callback.fp16 import MixedPrecision
 
@@ -40,7 +39,7 @@ def main(argv=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter('always')
                 fit_time(learn); t = fit_time(learn)
-            return n/t, getattr(learn, 'gradient_accumulation', None), [str(w.message) for w in caught if 'GradientAccumulation' in str(w.message)]
+            return n/t, getattr(learn, 'micro_batching', None), [str(w.message) for w in caught if 'GradientAccumulation' in str(w.message)]
         except Exception as e:
             if not is_out_of_memory(e): raise
             return None, None, [f'{type(e).__name__}']
@@ -56,14 +55,14 @@ def main(argv=None):
     m = args.bs
     while m >= max(8, args.bs//32):
         fixed[m],_,_ = fit([GradientAccumulation(micro_bs=m)]); m //= 2
-    auto,ga,msgs = fit([GradientAccumulation(micro_bs='auto')])
+    auto,mb,msgs = fit([GradientAccumulation(micro_bs='auto')])
     ok = {k: v for k,v in fixed.items() if v}
     best = max(ok, key=ok.get) if ok else None
     label = f'{args.arch} {args.px}px fp16, loader batch {args.bs}, {args.cap_gib:g} GiB cap'
     rows.append(['fixed micro_bs under the cap (images/s)', ', '.join(f'{k}: {v:.0f}' if v else f'{k}: OOM' for k,v in fixed.items()), 'info', '—'])
     if auto is None: rows.append(["micro_bs='auto'", 'an out-of-memory error escaped', 'none', 'no'])
     else:
-        rows.append(["micro_bs='auto': size found (trials, images/s)", f"{ga.micro_bs} ({', '.join(f'{k}: {v:.0f}' for k,v in ga.micro_bs_trials.items())})", 'info', '—'])
+        rows.append(["micro_bs='auto': size found (trials, images/s)", f"{mb.size} ({', '.join(f'{k}: {v:.0f}' for k,v in mb.trials.items())})", 'info', '—'])
         r = auto/ok[best] if best else float('nan')
         rows.append([f"micro_bs='auto' / best fixed micro_bs ({best})", f'{r:.3f} ({auto:.0f} / {ok[best]:.0f} images/s)', '>= 0.95', 'yes' if r >= 0.95 else 'no'])
         if big: rows.append([f"micro_bs='auto' under the cap / batch {args.bs} uncapped", f'{auto/big:.3f} ({auto:.0f} / {big:.0f} images/s)', 'info', '—'])

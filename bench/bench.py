@@ -9,18 +9,17 @@ round by round (the order rotates every round, after one warm-up round) and quot
 ± 1.4826 x their median absolute deviation. Memory: each configuration trains in a fresh process forked before this one
 has run any tensor op, which reports the peak RSS it adds over its own baseline taken after model and data exist
 (Linux `/proc/self/clear_refs` peak reset + `VmHWM`); on CUDA, `torch.cuda.max_memory_allocated` over the baseline."""
-import argparse, datetime, os, shlex, sys, time, warnings
+import argparse, datetime, shlex, sys, time, warnings
 from functools import partial
 
 warnings.filterwarnings('ignore')
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # `common`, `ddp_bench` beside this script
 import torch
 import torch._dynamo   # noqa: F401  torch.optim imports it on first use (seconds): once here, before the forks
 from fastai.callback.training import GradientAccumulation as FastaiGA
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
-from common import *
-from common import BN_MODES, LR, MOM
+from common import (BN_MODES, LR, MOM, CudaSync, conv_net, fit_time, forked, hand_loop, images, launch_gloo, learner, machine,
+                    na_row, rounds, summary, table, time_row, verdict)
 SIZES = dict(  # b: micro-batch, k: micro-batches per window, windows per epoch, px: image side, width: first conv channels
     default=dict(b=16, k=8, windows=4, px=32, width=32, mem_windows=2, ddp=dict(b=16, k=8, steps=4, hidden=2048)),
     quick  =dict(b=4,  k=4, windows=2, px=16, width=8,  mem_windows=1, ddp=dict(b=4,  k=4, steps=1, hidden=64)))

@@ -6,22 +6,14 @@ optimizer step (fastai's loop, GradientAccumulation, SGD), the check's the wall 
 interval are printed. Goal (issue 21): at most 3x.
 
     python bench/check_cost.py [--rounds 7] [--device cpu|cuda] [--threads 1]"""
-import argparse, os, sys, time, warnings
-sys.path.insert(0, os.path.dirname(__file__))
+import time, warnings
 import torch, torchvision
-from common import images, learner, machine, mean_ci
+from common import images, learner, machine, mean_ci, resnet_args
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--rounds', type=int, default=7)
-    p.add_argument('--windows', type=int, default=8, help='optimizer steps per timed fit (default 8)')
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--threads', type=int, default=1)
-    p.add_argument('--bn', default=None, help="a BatchNormAccumulation mode on the Learner (default none)")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    a = resnet_args(__doc__, 7, argv, lambda p: p.add_argument('--bn', default=None, help="a BatchNormAccumulation mode on the Learner (default none)"))
     warnings.filterwarnings('ignore')
     mb,k = 8,4
     ds = images(mb*k*a.windows, 32)

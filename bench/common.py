@@ -1,6 +1,6 @@
 """What the bench scripts share: the model, data and Learner factory, the hand-written loop, the alternating timer and its
-statistics, the table, the machine line, and the gloo launcher for the DDP runs. Public accum_callback API only."""
-import datetime, multiprocessing, os, platform, socket, statistics, tempfile, time
+statistics, the table, the machine line; the gloo launcher and synthetic images are `accum_callback.testing`'s. Public accum_callback API only."""
+import multiprocessing, os, platform, statistics, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -12,6 +12,7 @@ from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
 
 from accum_callback.modes import BN_MODES   # noqa: F401  (the one list of mode names)
+from accum_callback.testing import image_data, launch_gloo as _launch_gloo
 
 LR,MOM = 0.01,0.9
 
@@ -24,9 +25,7 @@ def conv_net(width=16, n_out=10, seed=0):
     return nn.Sequential(blk(3, w, 1), blk(w, 2*w, 2), blk(2*w, 4*w, 2), blk(4*w, 4*w, 2),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4*w, n_out))
 
-def images(n, px, seed=0, n_out=10):
-    g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 3, px, px, generator=g), torch.randint(0, n_out, (n,), generator=g))
+images = image_data   # `n` random `px` x `px` images and labels
 
 def opt_func(params, lr=LR, **kw): return OptimWrapper(params, torch.optim.SGD, lr=lr, momentum=MOM)
 
@@ -141,23 +140,20 @@ def _cell(c)->str: return ' '.join(str(c).split()).replace('|', '/')   # one lin
 def table(rows)->str:
     return '\n'.join(['| measure | ratio | goal | met? |', '|---|---|---|---|'] + ['| ' + ' | '.join(map(_cell, r)) + ' |' for r in rows])
 
+def resnet_args(doc:str, rounds:int, argv=None, extra=None):
+    "The arguments of a bench that times resnet18 windows in alternating rounds (`--rounds --windows --device --threads`)"
+    import argparse
+    p = argparse.ArgumentParser(description=doc.split('\n')[0])
+    p.add_argument('--rounds', type=int, default=rounds)
+    p.add_argument('--windows', type=int, default=8, help='optimizer steps per timed fit (default 8)')
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--threads', type=int, default=1)
+    if extra is not None: extra(p)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    return a
+
 # -- processes ------------------------------------------------------------------------------------------------------
-def free_port()->int:
-    "A TCP port free on this machine now (for a process group's rendezvous)"
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
-def _gloo_entry(rank, world, port, threads, out, fn, args):
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    dist.init_process_group('gloo', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        res = fn(rank, world, *args)
-        if rank == 0: torch.save(res, out)
-    finally:
-        import gc; gc.collect()   # DDP/FSDP wrappers in a Learner's reference cycles hold the group: free them first
-        dist.destroy_process_group()
-
 def _context():
     "Fork where the OS can (no second import, and any module-level function can run), else spawn"
     return multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
@@ -173,12 +169,7 @@ def forked(target, *args):
     return res
 
 def launch_gloo(fn, world:int=2, args=(), threads:int=1, timeout:float=600):
-    """Run `fn(rank, world, *args)` in `world` CPU processes joined over gloo (forked where the OS can, so `fn` may be
-    any module-level function); return rank 0's result, or None if a rank failed"""
-    ctx = _context()
-    with tempfile.TemporaryDirectory() as d:
-        out,port = os.path.join(d, 'rank0.pt'),free_port()
-        ps = [ctx.Process(target=_gloo_entry, args=(r, world, port, threads, out, fn, args)) for r in range(world)]
-        for p in ps: p.start()
-        for p in ps: p.join(timeout)
-        return torch.load(out, weights_only=False) if os.path.exists(out) else None
+    """`accum_callback.testing.launch_gloo`, forked where the OS can (so `fn` may be any module-level function of a
+    script): rank 0's result, or None if a rank failed (its traceback printed)"""
+    try: return _launch_gloo(fn, world, args, threads=threads, timeout=timeout, start='fork')[0]
+    except RuntimeError as e: print(e, file=sys.stderr); return None

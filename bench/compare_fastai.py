@@ -3,7 +3,7 @@
     python bench/compare_fastai.py
 
 Prints a markdown table; every figure is measured in this run (CPU, float32, a small MLP, fixed seeds)."""
-import copy, sys, warnings
+import copy, warnings
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback

@@ -7,7 +7,7 @@ all-reduces, as without our callback). Runs alternate, `--repeats` of each; the 
     python bench/ddp_bench.py                      # defaults: n_step 8, 8 optimizer steps, ~5.3M parameters
     python bench/ddp_bench.py --n-step 4 --hidden 1024 --repeats 5
 """
-import argparse, contextlib, os, statistics, sys, time
+import argparse, contextlib, statistics, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -20,8 +20,7 @@ from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
 from accum_callback.distributed import count_allreduces
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch_gloo
+from common import launch_gloo, machine
 
 class SyncEveryDDP(DDP):
     "DDP whose `no_sync` does nothing: every micro-batch all-reduces its gradients"
@@ -69,6 +68,7 @@ def main(argv=None):
     a,b = res['no_sync'],res['sync_every']
     med = lambda rs,k: statistics.median(r[k] for r in rs)
     r = a[0]
+    print(f"{machine()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print(f"`python {' '.join(['bench/ddp_bench.py']+sys.argv[1:])}`: 2 processes, gloo on CPU, {r['params']/1e6:.2f}M "
           f"float32 parameters, n_step={args.n_step}, micro-batch {args.bs} per rank, {r['steps']} optimizer steps "
           f"({r['micro']} micro-batches) per run, median of {args.repeats} alternating runs, "

@@ -13,7 +13,7 @@ modes alternating over `--repeats` rounds (mean and 95% interval of each mode's 
 
     python bench/fsdp_bench.py                   # defaults: n_step 4, 6 steps, hidden 1024 (~2.6M parameters)
 """
-import argparse, os, sys, time, warnings
+import argparse, sys, time, warnings
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback, CancelValidException
@@ -24,7 +24,6 @@ from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
 from accum_callback.distributed import count_collectives, fsdp_group_count, held_grad_bytes
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_gloo, machine, mean_ci
 
 MODES = {'sync every micro-batch': dict(sharded_grads=True), 'one reduce-scatter a window': dict(),

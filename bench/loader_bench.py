@@ -13,9 +13,8 @@ memory-mapped uint8 array, augmented and normalised on the device), side by side
   seconds of the second epoch's training.
 - on a GPU also: the job's images/s against the same model on batches already on the GPU (same micro-batch and
   precision): goal >= 0.75 (the GPU does not wait for the loader)."""
-import argparse, os, shutil, sys, tempfile, time, warnings
+import argparse, os, shutil, tempfile, time, warnings
 from pathlib import Path
-sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np, torch
 from common import machine
 

@@ -7,21 +7,14 @@ peak of extra tensor memory the measurement keeps (two float64 numbers a window 
 size). Goal (issue 28): at most 1.02x, no gradient-sized memory.
 
     python bench/noise_cost.py [--rounds 9] [--device cpu|cuda] [--threads 1]"""
-import argparse, os, sys, time, warnings
-sys.path.insert(0, os.path.dirname(__file__))
+import time, warnings
 import torch, torchvision
-from common import images, learner, machine, mean_ci
+from common import images, learner, machine, mean_ci, resnet_args
 
 from accum_callback import GradientAccumulation, GradientNoiseScale
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--rounds', type=int, default=9)
-    p.add_argument('--windows', type=int, default=8, help='optimizer steps per timed fit (default 8)')
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--threads', type=int, default=1)
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    a = resnet_args(__doc__, 9, argv)
     warnings.filterwarnings('ignore')
     mb,k = 8,4
     ds = images(mb*k*a.windows, 32)

@@ -21,9 +21,10 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.optimizer import SGD
 
-from accum_callback import GradientAccumulation
+from accum_callback import GradientAccumulation, MicroBatching
 from accum_callback.distributed import is_ddp, unwrap
 from accum_callback.micro import copy_module
+from accum_callback.testing import OutOfMemoryAbove
 from helpers import flat, rel_err
 
 __all__ = ['Row', 'ROWS', 'rows_with', 'Oracle', 'OOMAbove', 'quiet_fit']
@@ -278,8 +279,8 @@ def _copy(model):
     return copy_module(unwrap(model))
 
 class _WindowStart(Callback):
-    "The model as each window starts, before `GradientAccumulation` gives a piece its rows of a stateful model's state"
-    order,run_valid = GradientAccumulation.order-1,False
+    "The model as each window starts, before `MicroBatching` gives a piece its rows of a stateful model's state"
+    order,run_valid = MicroBatching.order-1,False
     def __init__(self): self.model0,self.fresh = None,True
     def before_batch(self):
         if self.fresh: self.model0,self.fresh = _copy(self.learn.model),False   # (a retried micro-batch keeps it)
@@ -299,11 +300,11 @@ class Oracle(Callback):
             self.buf.append((tuple(x.detach() for x in self.xb), tuple(y.detach() for y in self.yb)))
     def before_step(self):
         rng = torch.get_rng_state()
-        if self.oom is not None: self.oom.armed = False   # the simulated device has room for the oracle
+        if self.oom is not None: self.oom.enabled = False   # the simulated device has room for the oracle
         try: self.errs.append(self._error())
         finally:
             torch.set_rng_state(rng)
-            if self.oom is not None: self.oom.armed = True
+            if self.oom is not None: self.oom.enabled = True
     def _error(self)->float:
         m,live = self.start.model0,list(unwrap(self.model).parameters())
         try: xb,yb = self.row.join(self.buf)
@@ -323,14 +324,10 @@ def quiet_fit(learn, epochs=1, meth='fit', **kw):
     with learn.no_bar(), learn.no_logging(): getattr(learn, meth)(epochs, **kw)
     return learn
 
-class OOMAbove:
-    """A simulated GPU: `torch.OutOfMemoryError` when a layer of the model or the torch loss inside fastai's (forward
+class OOMAbove(OutOfMemoryAbove):
+    """A simulated GPU: `OutOfMemoryAbove`'s rule where a layer of the model or the torch loss inside fastai's (forward
     pre-hooks) sees more than `n` items, in training (`phase='train'`) or in inference"""
-    def __init__(self, where:str, phase:str, n:int=3): self.where,self.phase,self.n,self.hits,self.armed,self.handles = where,phase,n,0,True,[]
-    def _on(self, k:int)->bool: return self.armed and k > self.n and torch.is_grad_enabled() == (self.phase == 'train')
-    def _raise(self, k):
-        self.hits += 1
-        raise torch.OutOfMemoryError(f'CUDA out of memory (simulated: {k} items > {self.n}, {self.phase})')
+    def __init__(self, where:str, phase:str, n:int=3): super().__init__(n, phase=phase); self.where,self.handles = where,[]
     def install(self, learn):
         if self.where == 'forward':
             for m in unwrap(learn.model).modules():
@@ -345,5 +342,5 @@ class OOMAbove:
     def _pre(self, per_item:int):
         def pre(mod, inp):
             k = inp[0].shape[0]//per_item if inp and isinstance(inp[0], torch.Tensor) and inp[0].ndim else 0
-            if self._on(k): self._raise(k)
+            if k and self.refuses(k): self.refuse(k)
         return pre

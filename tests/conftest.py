@@ -1,5 +1,5 @@
 "Fixtures shared by the test modules. None leaves anything behind: environment changes last one test (monkeypatch)."
-import contextlib, os, socket
+import contextlib, os
 from unittest import mock
 
 import pytest
@@ -35,6 +35,23 @@ def cache(cache_dir, monkeypatch):
     from accum_finetune.pretrain import checkpoint_path
     return checkpoint_path()
 
-def free_port()->int:
-    "A TCP port free on this machine now (for a process group's rendezvous)"
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+_NOT_CHECKOUT = {'.git', '.venv', '__pycache__', '.pytest_cache', '.hypothesis', '.ipynb_checkpoints', 'build', 'dist', '.whl'}
+
+def _checkout_paths(root)->set:
+    "Every file and folder of the checkout but git's, the environment's and Python's caches"
+    out = set()
+    for d,dirs,files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in _NOT_CHECKOUT and not x.endswith('.egg-info')]
+        rel = os.path.relpath(d, root)
+        out.update(os.path.join(rel, x) for x in dirs + files)
+    return out
+
+@pytest.fixture(scope='session', autouse=True)
+def writes_nothing_into_the_checkout():
+    "No test leaves a file or folder in the checkout (fastai's `models/`, a run's outputs): they go to temporary folders"
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    before = _checkout_paths(root)
+    yield
+    new = sorted(_checkout_paths(root) - before)
+    assert not new, f'the tests left these in the checkout: {new}'

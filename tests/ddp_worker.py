@@ -1,12 +1,11 @@
-"""Run training scenarios in 2 CPU processes over gloo (spawned from the tests and `bench/ddp_bench.py`).
+"""Training scenarios for 2 CPU processes over gloo (`accum_callback.testing.launch_gloo(fn, ...)` runs them).
 
 Every scenario returns, per rank: the final weights, the optimizer steps, each step's window (the rank's own samples),
 and the gradient all-reduces each micro-batch made (counted by a DDP communication hook)."""
-import contextlib, datetime, gc, os, sys, tempfile, time, traceback, warnings
+import contextlib, time, traceback, warnings
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback, CancelBatchException, CancelFitException, CancelValidException
@@ -14,43 +13,13 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 
 from accum_callback import GradientAccumulation
 from accum_callback.distributed import count_allreduces, count_collectives, fsdp_group_count, held_grad_bytes
+from accum_callback.testing import OutOfMemoryAbove, regression_data
 from helpers import MLP, Float64Smoothing, make_learner
-from conftest import free_port
 
 LR = 0.1
 
-def spawn(fn, world_size=2, timeout=60, **kwargs):
-    "Run `fn(rank, world_size, **kwargs)` in `world_size` fresh processes over gloo; return each rank's result"
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world_size, free_port(), timeout, d, fn, kwargs), nprocs=world_size, join=True)
-        return [torch.load(os.path.join(d, f'{r}.pt'), weights_only=False) for r in range(world_size)]
-
-def _entry(rank, world_size, port, timeout, d, fn, kwargs):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    # A short timeout: a rank that skips a collective the other makes fails the test instead of hanging it
-    dist.init_process_group('gloo', rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-    try:
-        torch.save(fn(rank, world_size, **kwargs), os.path.join(d, f'{rank}.pt'))
-        dist.barrier()   # neither rank tears its side down while the other may still be talking to it
-    finally:
-        # A Learner sits in reference cycles (its callbacks point back to it), so the DDP/FSDP wrappers it made (and
-        # Accelerate's list of prepared models) hold the process group until the cyclic collector runs, possibly only
-        # at interpreter shutdown, where gloo's worker threads then abort the process (SIGABRT, "terminate called
-        # without an active exception", seen once in CI). Collect them now, while the interpreter is whole.
-        gc.collect()
-        dist.destroy_process_group()
-    # The result is on disk and the group is gone: leave without the interpreter's teardown (nothing is left to tear)
-    sys.stdout.flush(); sys.stderr.flush()
-    os._exit(0)
-
 # -- data -----------------------------------------------------------------------------------------------------------
-def make_data(n, n_in=5, n_out=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, n_in, generator=g, dtype=torch.float64)
-    y = x @ torch.randn(n_in, n_out, generator=g, dtype=torch.float64) + 0.1*torch.randn(n, n_out, generator=g, dtype=torch.float64)
-    return x,y
+def make_data(n, seed=0): return regression_data(n, seed=seed, dtype=torch.float64).tensors
 
 def shard(sizes, rank, seed=0, tokens=None):
     "Rank `rank`'s slice of one data set cut into `sizes`; `tokens[r]`: the fraction of rank r's targets that count"
@@ -114,13 +83,6 @@ class DDPSpy(Callback):
             self.buf = []
 
 # -- one scenario ---------------------------------------------------------------------------------------------------
-class SimulatedOOM:
-    "A training loss that raises `torch.OutOfMemoryError` above `n` items on rank `rank` only"
-    def __init__(self, loss, rank, my_rank, n): self.loss,self.on,self.n = loss,rank == my_rank,n
-    def __call__(self, out, targ):
-        if self.on and torch.is_grad_enabled() and len(out) > self.n: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
-        return self.loss(out, targ)
-
 class CancelOnRank(Callback):
     "On rank `rank` only, cancel the `at`-th training micro-batch (counting attempts) before its backward, in `after_loss`"
     def __init__(self, rank, my_rank, at): self.on,self.at,self.k = rank == my_rank,at,0
@@ -171,7 +133,7 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     cbs += [c() if callable(c) and not isinstance(c, Callback) else c for c in cbs_extra]
     if cancel_fit_at is not None: cbs.append(CancelFitAt(cancel_fit_at))
     loss = masked_mse if tokens is not None else F.mse_loss
-    if oom is not None: loss = SimulatedOOM(loss, oom[0], rank, oom[1])   # (rank, items above which it runs out of memory)
+    if oom is not None: loss = OutOfMemoryAbove(oom[1], loss, rank=oom[0])   # (rank, items above which it runs out of memory)
     if cancel is not None: cbs.append(CancelOnRank(cancel[0], rank, cancel[1]))   # (rank, which micro-batch)
     learn = make_learner(ds, bs, cbs=cbs, model=model, loss_func=loss, lr=LR)
     if fsdp:
@@ -199,7 +161,7 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
                 steps=ga_cb.steps if isinstance(ga_cb, GradientAccumulation) else None,
                 window_items=list(ga_cb.window_items) if isinstance(ga_cb, GradientAccumulation) else None,
                 n_dropped=ga_cb.n_dropped if isinstance(ga_cb, GradientAccumulation) else None,
-                micro_bs=ga_cb.micro_bs if isinstance(ga_cb, GradientAccumulation) else None,
+                micro_bs=learn.micro_batching.size if hasattr(learn, 'micro_batching') else None,
                 n_skipped=ga_cb.n_skipped if isinstance(ga_cb, GradientAccumulation) else None,
                 held_after_cancel=getattr(spy, 'held_after_cancel', None),
                 collectives=None if not fsdp else dict(rs=counter.c.reduce_scatter, ag=counter.c.all_gather, groups=counter.n_groups),
@@ -366,7 +328,6 @@ def app_cells(rank, world_size, names):
 # -- the gradient noise scale under DDP and FSDP2 (tests/test_noise.py) ---------------------------------------------
 def noise_scale_ranks(rank, world_size):
     "Each rank half of `test_noise.data()`, GradientNoiseScale's per-step estimates under DDP, then FSDP2"
-    import numpy as np
     from accum_callback.noise import GradientNoiseScale
     from test_noise import data, linear_loss, D
     out = {}

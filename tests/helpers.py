@@ -9,13 +9,9 @@ from fastai.learner import Learner
 from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
+from accum_callback.testing import regression_data
 
-def make_data(n, n_in=5, n_out=3, seed=0, classify=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, n_in, generator=g)
-    if classify: y = torch.randint(0, n_out, (n,), generator=g)
-    else: y = x @ torch.randn(n_in, n_out, generator=g) + 0.1*torch.randn(n, n_out, generator=g)
-    return TensorDataset(x, y)
+make_data = regression_data   # `n` items of `n_in` features and a linear target (or `classify`: labels), float32
 
 def make_dls(ds, bs, valid=None, shuffle=False, drop_last=False):
     valid = valid if valid is not None else TensorDataset(*[t[:8] for t in ds.tensors])

@@ -1,16 +1,18 @@
 "GradientAccumulation against the one-large-batch run on the same samples"
-import copy, math, warnings
+import warnings
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from hypothesis import given, settings, strategies as st, HealthCheck
 from fastai.callback.core import Callback, CancelBatchException, CancelFitException
 from fastai.callback.training import GradientClip, GradientAccumulation as FastaiGA
 from fastai.callback.fp16 import MixedPrecision
-from fastai.callback.schedule import *   # fit_one_cycle, lr_find
+import fastai.callback.schedule   # noqa: F401  Learner.fit_one_cycle, lr_find
+from fastai.learner import Learner
 from fastai.optimizer import Adam, SGD
 from torch.amp import GradScaler, autocast
 
 from accum_callback import GradientAccumulation
-from helpers import *
+from helpers import (MLP, WindowSpy, expected_windows, fit_quiet, flat, grads_clean, make_data, make_dls, make_learner,
+                     rel_err)
 
 TOL = 1e-6   # relative error of every step's gradient against the one-large-batch gradient, float32
 

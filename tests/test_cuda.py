@@ -7,7 +7,7 @@ import pytest, torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 from fastai.callback.fp16 import MixedPrecision
-from fastai.callback.training import GradientClip, BnFreeze
+from fastai.callback.training import GradientClip
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from fastai.learner import Learner
@@ -17,8 +17,8 @@ from fastai.optimizer import SGD, Adam
 from fastai.callback.core import Callback
 from accum_callback import GradientAccumulation, BatchNormAccumulation, BatchRenorm, accumulated_momentum
 from accum_callback.distributed import count_allreduces
-from helpers import *
-from conftest import free_port
+from helpers import MLP, fit_silent, flat, make_data, rel_err
+from accum_callback.testing import OutOfMemoryAbove, free_port
 
 DEVICE = torch.device(os.environ.get('ACCUM_TEST_DEVICE', 'cuda'))
 ON_GPU = DEVICE.type == 'cuda'
@@ -174,13 +174,6 @@ def test_fused_renorm_equals_reference(dtype, channels_last):
     for name,a,b in zip(('out', 'dx', 'dw', 'db', 'running_mean', 'running_var'), *res):
         assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
-class _OOMAbove:
-    "A training loss that raises `torch.OutOfMemoryError` above `n` items"
-    def __init__(self, n): self.n = n
-    def __call__(self, out, targ):
-        if torch.is_grad_enabled() and len(out) > self.n: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
-        return F.mse_loss(out, targ)
-
 @needs_gpu
 def test_auto_micro_bs_fp16_replays_like_the_fixed_size():
     """micro_bs='auto' under fp16, out of memory above 8 items (simulated): the undone attempts leave no trace in the
@@ -190,9 +183,9 @@ def test_auto_micro_bs_fp16_replays_like_the_fixed_size():
         log = _ScaleLog()
         learn = fit_silent(learner(ds, 32, MLP(32, seed=0), [ga, MixedPrecision(init_scale=2.**10), log], SGD, 0.1, loss_func=loss))
         return learn,log.scales
-    auto,s_auto = run(GradientAccumulation(micro_bs='auto', probe=False), _OOMAbove(8))
+    auto,s_auto = run(GradientAccumulation(micro_bs='auto', probe=False), OutOfMemoryAbove(8))
     fixed,s_fixed = run(GradientAccumulation(micro_bs=8), F.mse_loss)
-    assert auto.gradient_accumulation.micro_bs == 8 and s_auto == s_fixed and len(s_auto) == 8
+    assert auto.micro_batching.size == 8 and s_auto == s_fixed and len(s_auto) == 8
     assert rel_err(w(auto), w(fixed)) <= 1e-6
 
 # -- DDP over NCCL (world size 1 on one GPU) -----------------------------------------------------------------------------

@@ -3,11 +3,11 @@ communication hook. Every scenario runs in one spawn (`ddp_worker.run_many`): st
 than the scenarios. The model is float64, SGD, so "equal" means to 1e-6 relative (seen: ~1e-16)."""
 import importlib.util
 import pytest, torch
-from torch.nn.parallel import DistributedDataParallel
 
 import ddp_worker as W
 from helpers import rel_err
 from accum_callback.distributed import count_allreduces
+from accum_callback.testing import launch_gloo
 
 TOL = 1e-6
 # sizes: samples on each rank; bs 4, 2 epochs; [14, 16]: rank 0's last batch holds 2 samples, rank 1's 4
@@ -72,7 +72,7 @@ needs_fsdp2 = pytest.mark.skipif(not HAS_FSDP2, reason=f'FSDP2 (torch.distribute
 def runs():
     scen = SCENARIOS if HAS_ACCELERATE else {k:v for k,v in SCENARIOS.items() if not k.startswith('fastai_path')}
     if not HAS_FSDP2: scen = {k:v for k,v in scen.items() if not v.get('fsdp')}
-    r0,r1 = W.spawn(W.run_many, scenarios=scen, timeout=60)
+    r0,r1 = launch_gloo(W.run_many, kwargs=dict(scenarios=scen))
     return {k: (r0[k], r1[k]) for k in scen}
 
 def get(runs, name):
@@ -309,7 +309,7 @@ def test_fsdp_refusals_say_what_to_do(runs, name, match):
 def test_fsdp_save_load_whole_model(tmp_path):
     """`learn.save` writes the whole model (gathered, rank 0 writes) and the optimizer state; `learn.load` into another
     sharded Learner gives every rank its own shard of it (before: rank 0's shard on every rank, weights 0.74 off)"""
-    r0,r1 = W.spawn(W.fsdp_save_load, d=str(tmp_path), timeout=60)
+    r0,r1 = launch_gloo(W.fsdp_save_load, kwargs=dict(d=str(tmp_path)))
     for r in (r0, r1): assert torch.equal(r['a'], r['b']) and r['opt_equal']
     assert r0['file_shapes'] == r0['full_shapes']
 
@@ -318,8 +318,8 @@ def test_fsdp_way_in_equals_ddp_and_exports(tmp_path):
     """`learn.fsdp_ctx()` (to_fsdp: FSDP2 block by block, optimizer rebuilt, DistributedDL; from_fsdp after) trains
     exactly what fastai's `distrib_ctx` (Accelerate's DDP) does, and `learn.export` under it writes an unsharded model
     that `load_learner` predicts with in one process"""
-    f0,f1 = W.spawn(W.fsdp_way_in, d=str(tmp_path), timeout=60)
-    d0,_ = W.spawn(W.fsdp_way_in, d=str(tmp_path/'ddp'), path='ddp', timeout=60)
+    f0,f1 = launch_gloo(W.fsdp_way_in, kwargs=dict(d=str(tmp_path)))
+    d0,_ = launch_gloo(W.fsdp_way_in, kwargs=dict(d=str(tmp_path/'ddp'), path='ddp'))
     assert f0['sharded'] == 'FSDPMLP' and f0['plain'] == 'MLP' and f0['steps'] == d0['steps'] == 8
     assert rel_err(f0['params'], d0['params']) < TOL and torch.equal(f0['params'], f1['params'])
     import warnings
@@ -336,7 +336,6 @@ def test_fsdp1_is_refused_pointing_to_to_fsdp():
     """A model in FSDP1's `FullyShardedDataParallel` (what Accelerate's FSDP plugin makes through fastai's `distrib_ctx`)
     is refused when training starts, pointing to `learn.to_fsdp()`. FSDP1 needs a GPU to be built, so the wrapper here is
     an FSDP1 instance made without its constructor: the check is by type"""
-    import warnings
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     from helpers import MLP
     fake = FSDP1.__new__(FSDP1); torch.nn.Module.__init__(fake); fake._modules['_fsdp_wrapped_module'] = MLP()

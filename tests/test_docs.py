@@ -1,6 +1,6 @@
 """The docs a newcomer reads: the README stays short (<= 15 kB) and every relative link in it and in docs/ resolves; every
 public name has a docstring and docs/api.md lists them all as the code says (regenerate: `python tests/test_docs.py`)."""
-import inspect, re, sys
+import inspect, re
 from pathlib import Path
 
 import pytest
@@ -61,6 +61,5 @@ def test_api_page_is_the_code():
     assert (ROOT/'docs'/'api.md').read_text() == api_markdown(), 'docs/api.md is stale: run `python tests/test_docs.py`'
 
 if __name__ == '__main__':
-    sys.path.insert(0, str(ROOT))
     (ROOT/'docs'/'api.md').write_text(api_markdown())
     print('wrote docs/api.md')

@@ -11,7 +11,7 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.mixup import MixUp, CutMix
 from fastai.callback.channelslast import ChannelsLast
 from fastai.callback.progress import CSVLogger
-from fastai.callback.schedule import *   # fit_one_cycle, fine_tune, lr_find
+import fastai.callback.schedule   # noqa: F401  Learner.fit_one_cycle, fine_tune, lr_find
 import fastai.callback.hook   # learn.summary()
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
@@ -21,7 +21,8 @@ from fastai.optimizer import SGD, Adam
 from fastcore.foundation import L
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation, BatchRenorm
-from helpers import *
+from helpers import (StepCounter, WindowSpy, fit_silent, flat, grads_clean, make_data, make_dls, make_learner,
+                     rel_err)
 
 TOL = 1e-5   # relative error of a window gradient against the one-big-batch gradient (float32, conv nets: ~1e-7 seen)
 STATS_TOL = 1e-5

@@ -19,10 +19,10 @@ import contextlib, math, warnings
 from pathlib import Path
 
 import pytest, torch
-from fastai.callback.core import Callback
 from fastai.learner import load_learner
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
+from accum_callback.testing import launch_gloo
 from apps import ROWS, BS, N_TRAIN, Row, Oracle, OOMAbove, quiet_fit
 from helpers import flat, rel_err
 
@@ -97,7 +97,7 @@ def test_window_cell(name, col, one_thread):
             quiet_fit(learn, 1)
     ga,(outcome,causes) = learn.gradient_accumulation,expected(name, col)
     assert ga.steps == len(oracle.errs) >= 2, 'every step measured'
-    if oom is not None: assert oom.hits >= 1 and ga.micro_bs == 2   # 8 -> 4 -> 2 items
+    if oom is not None: assert oom.hits >= 1 and learn.micro_batching.size == 2   # 8 -> 4 -> 2 items
     # the check looked at the first window: its verdict is the measurement of that window's step
     if outcome == 'exact':
         assert max(oracle.errs) <= TOL, f'steps off the big batch: {oracle.errs}'
@@ -117,7 +117,7 @@ def test_inference_out_of_memory_cell(name, col, one_thread):
     with OOMAbove(col.split('_')[-1], 'valid').install(learn) as oom, warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='GradientAccumulation: out of memory in inference')
         quiet_fit(learn, 1); quiet_fit(ref_learn, 1)
-        assert oom.hits >= 1 and learn.gradient_accumulation.inference_bs is not None
+        assert oom.hits >= 1 and learn.micro_batching.inference_bs is not None
         assert rel_err(flat(learn.model.parameters()).detach(), flat(ref_learn.model.parameters()).detach()) == 0
         got,want = learn.recorder.values[-1],ref_learn.recorder.values[-1]   # fit's own validation
         assert all(abs(a-b) <= 1e-6*max(1, abs(b)) for a,b in zip(got, want)), (got, want)
@@ -214,7 +214,7 @@ def test_export_cell(name, tmp_path, one_thread):
 @pytest.fixture(scope='module')
 def ddp_runs():
     import ddp_worker
-    return ddp_worker.spawn(ddp_worker.app_cells, names=[n for n,c in CELLS if c == 'ddp'], timeout=120)
+    return launch_gloo(ddp_worker.app_cells, kwargs=dict(names=[n for n,c in CELLS if c == 'ddp']), timeout=120)
 
 @pytest.mark.parametrize('name', [n for n,c in CELLS if c == 'ddp'])
 def test_ddp_cell(name, ddp_runs):

@@ -7,7 +7,8 @@ import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from fastai.callback.core import Callback
 from fastai.callback.schedule import fit_one_cycle   # noqa: F401
 
-from accum_callback import GradientAccumulation, BatchNormAccumulation
+from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
+from accum_callback.testing import OutOfMemoryAbove
 from helpers import MLP, Float64Smoothing, fit_quiet, make_data, make_learner, rel_err
 
 TOL = 1e-10
@@ -17,14 +18,7 @@ def weights(learn): return torch.cat([p.detach().reshape(-1) for p in learn.mode
 
 def bn_buffers(learn): return [b.detach().clone() for n,b in learn.model.named_buffers()]
 
-class OOMAbove:
-    "A training loss that raises `torch.OutOfMemoryError` for a micro-batch of more than `n` items (what a GPU does)"
-    def __init__(self, n, loss=F.mse_loss): self.n,self.loss,self.calls = n,loss,[]
-    def __call__(self, out, targ):
-        if not torch.is_grad_enabled(): return self.loss(out, targ)   # validation
-        self.calls.append(len(out))
-        if len(out) > self.n: raise torch.OutOfMemoryError(f'CUDA out of memory (simulated: {len(out)} > {self.n} items)')
-        return self.loss(out, targ)
+OOMAbove = OutOfMemoryAbove   # a training loss refusing a micro-batch of more than n items (what a GPU does)
 
 class BNDropNet(nn.Module):
     "BatchNorm and dropout: the running statistics and the dropout masks must replay exactly after an undone attempt"
@@ -72,7 +66,7 @@ def test_fixed_micro_bs_equals_unsplit_run(bs, micro_bs, ga):
     ref = run(ds, bs, [GradientAccumulation(**(ga or dict(n_step=1)))], one_cycle=True)
     got = run(ds, bs, [GradientAccumulation(micro_bs=micro_bs, **ga)], one_cycle=True)
     a,b = got.gradient_accumulation,ref.gradient_accumulation
-    assert a.window_sizes == b.window_sizes and a.micro_bs == micro_bs
+    assert a.window_sizes == b.window_sizes and got.micro_batching.size == micro_bs
     assert max(a.window_micro) == -(-bs//micro_bs)*(ga.get('n_step') or 1) or ga.get('target_bs')
     assert rel_err(weights(got), weights(ref)) <= TOL
 
@@ -104,7 +98,7 @@ def test_auto_halves_until_it_fits_and_equals_the_fixed_size_and_the_big_batch()
     auto = run(ds, 16, [GradientAccumulation(micro_bs='auto')], model=BNDropNet(), loss_func=oom)
     fixed = run(ds, 16, [GradientAccumulation(micro_bs=4)], model=BNDropNet())
     ga = auto.gradient_accumulation
-    assert ga.micro_bs == 4 and ga.window_sizes == fixed.gradient_accumulation.window_sizes == [16]*8
+    assert auto.micro_batching.size == 4 and ga.window_sizes == fixed.gradient_accumulation.window_sizes == [16]*8
     assert oom.calls[:3] == [16, 8, 4] and max(oom.calls[3:]) == 4   # the size found is kept
     assert rel_err(weights(auto), weights(fixed)) <= TOL   # dropout masks replayed: the RNG was put back
     for a,b in zip(bn_buffers(auto), bn_buffers(fixed)): assert torch.equal(a, b)   # running stats, num_batches_tracked
@@ -121,7 +115,7 @@ def test_auto_keeps_the_size_for_the_next_fit():
     learn = run(ds, 16, [GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(5), epochs=1)
     oom = learn.loss_func = OOMAbove(5)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    assert learn.gradient_accumulation.micro_bs == 4 and set(oom.calls) == {4}
+    assert learn.micro_batching.size == 4 and set(oom.calls) == {4}
 
 def test_oom_in_the_backward_mid_window_is_undone():
     """Out of memory in the backward of the 2nd micro-batch of a window (n_step 2, loader batches of 8, auto starts at
@@ -135,7 +129,7 @@ def test_oom_in_the_backward_mid_window_is_undone():
         FailOnce.at = None
         big = run(ds, 16, [], model=BackwardNet(bn=bn), lr=lr)
         ga = auto.gradient_accumulation
-        assert ga.micro_bs == 4 and ga.window_sizes == [16]*6 and ga.window_micro[:3] == [2, 3, 4]
+        assert auto.micro_batching.size == 4 and ga.window_sizes == [16]*6 and ga.window_micro[:3] == [2, 3, 4]
         assert rel_err(weights(auto), weights(big)) <= TOL
         for a,b in zip(bn_buffers(auto), bn_buffers(big)): assert rel_err(a.double(), b.double()) <= TOL
 
@@ -156,7 +150,7 @@ def test_other_errors_propagate_untouched_and_are_not_retried():
             raise ValueError('boom: not a memory error')
     learn = make_learner(make_data(16), 8, cbs=[GradientAccumulation(micro_bs='auto')], loss_func=Boom(), dtype=F64)
     with pytest.raises(ValueError, match='boom: not a memory error'): fit_quiet(learn, 1)
-    assert Boom.calls == 1 and learn.gradient_accumulation.micro_bs == 8
+    assert Boom.calls == 1 and learn.micro_batching.size == 8
 
 @pytest.mark.parametrize('kw,match', [(dict(micro_bs=0), 'micro_bs'), (dict(micro_bs='big'), 'micro_bs'),
                                       (dict(micro_bs=2.5), 'micro_bs'), (dict(micro_bs='auto', probe=1), 'probe'),
@@ -177,7 +171,7 @@ def test_ready_made_batches_target_bs_and_momentum():
                     cbs=[GradientAccumulation(target_bs=12, micro_bs='auto'), BatchNormAccumulation('momentum'), Float64Smoothing()])
     fit_quiet(learn, 1)
     ga = learn.gradient_accumulation
-    assert ga.micro_bs == 6 and ga.window_sizes == [12, 12]
+    assert learn.micro_batching.size == 6 and ga.window_sizes == [12, 12]
 
 def test_probe_keeps_the_faster_neighbour_and_its_verdict(monkeypatch):
     """The probe (GPU only; here with a simulated clock on the CPU): once 8 ran a loader batch, it times 8 and then 4,
@@ -188,17 +182,17 @@ def test_probe_keeps_the_faster_neighbour_and_its_verdict(monkeypatch):
     def loss(out, targ):
         clock[0] += len(out)/speed[len(out)]   # the micro-batch "takes" this long
         return F.mse_loss(out, targ)
-    monkeypatch.setattr(GradientAccumulation, '_probe_here', lambda self: True)
-    monkeypatch.setattr(GradientAccumulation, '_clock', lambda self: clock[0])
+    monkeypatch.setattr(MicroBatching, '_probe_here', lambda self: True)
+    monkeypatch.setattr(MicroBatching, '_clock', lambda self: clock[0])
     ds = make_data(48)
     learn = run(ds, 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
-    ga = learn.gradient_accumulation
-    assert ga.micro_bs == 4 and ga.micro_bs_trials == pytest.approx({8: 100., 4: 150.})
+    mb = learn.micro_batching
+    assert mb.size == 4 and mb.trials == pytest.approx({8: 100., 4: 150.})
     assert any('micro_bs is now 4' in m for m in learn.caught)
     big = run(ds, 8, [], epochs=1)
     assert rel_err(weights(learn), weights(big)) <= TOL
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    assert ga.micro_bs == 4 and len(ga.micro_bs_trials) == 2   # no second probe
+    assert mb.size == 4 and len(mb.trials) == 2   # no second probe
 
 def test_probe_keeps_the_larger_size_when_it_is_faster(monkeypatch):
     speed = {8: 200., 4: 150.}
@@ -206,10 +200,10 @@ def test_probe_keeps_the_larger_size_when_it_is_faster(monkeypatch):
     def loss(out, targ):
         clock[0] += len(out)/speed[len(out)]
         return F.mse_loss(out, targ)
-    monkeypatch.setattr(GradientAccumulation, '_probe_here', lambda self: True)
-    monkeypatch.setattr(GradientAccumulation, '_clock', lambda self: clock[0])
+    monkeypatch.setattr(MicroBatching, '_probe_here', lambda self: True)
+    monkeypatch.setattr(MicroBatching, '_clock', lambda self: clock[0])
     learn = run(make_data(48), 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
-    assert learn.gradient_accumulation.micro_bs == 8 and not any('micro_bs is now' in m for m in learn.caught)
+    assert learn.micro_batching.size == 8 and not any('micro_bs is now' in m for m in learn.caught)
 
 # == issue 20: validation under 'auto', stateful models, the progress total, warnings, DDP cancels, cancelled steps ====
 from fastai.callback.core import CancelStepException
@@ -259,8 +253,7 @@ def test_inference_batches_are_cut_under_auto_and_equal_the_uncut_run():
         pa,pb = ref.get_preds(with_loss=True),got.get_preds(with_loss=True)
         da,db = ref.predict(3),got.predict(3)
         ta,tb = ref.tta(n=2),got.tta(n=2)
-    ga = got.gradient_accumulation
-    assert ga.inference_bs == 4 and ga.micro_bs == 8
+    assert got.micro_batching.inference_bs == 4 and got.micro_batching.size == 8
     assert sum('inference batches are now cut into pieces of' in str(w.message) for w in caught) == 2   # 16->8, 8->4 once
     assert max(got.model[1].calls[2:]) <= 4   # the size found is kept
     assert len(va) == 4 and len(a) == 3   # train loss, valid loss, accuracy, roc auc
@@ -419,7 +412,8 @@ def test_a_learner_with_micro_bs_pickles_and_trains_after():
     learn = run(make_data(32), 8, [GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(5), epochs=1)
     learn.loss_func = F.mse_loss
     again = pickle.loads(pickle.dumps(learn))
-    assert again.gradient_accumulation.micro_bs == 4 and again.gradient_accumulation.micro.clock.__self__ is again.gradient_accumulation
+    assert again.micro_batching.size == 4 and again.gradient_accumulation.companion is again.micro_batching
+    assert again.micro_batching.snapshot is None or again.micro_batching.snapshot.learn is again
     fit_quiet(again, 1)
 
 def test_language_model_inference_cut_under_auto_keeps_its_rows_state(lm_learner):
@@ -431,6 +425,6 @@ def test_language_model_inference_cut_under_auto_keeps_its_rows_state(lm_learner
     got.model[0].register_forward_pre_hook(oom)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore'); fit_quiet(ref, 1); fit_quiet(got, 1)
-    assert got.gradient_accumulation.inference_bs == 2 and got.gradient_accumulation.micro_bs == 8
+    assert got.micro_batching.inference_bs == 2 and got.micro_batching.size == 8
     assert abs(got.recorder.values[-1][1] - ref.recorder.values[-1][1]) <= 1e-6
     with got.no_bar(), ref.no_bar(): assert abs(got.validate()[0] - ref.validate()[0]) <= 1e-6

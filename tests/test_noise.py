@@ -12,6 +12,7 @@ from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback
 
 from accum_callback import GradientAccumulation, GradientNoiseScale, NoiseScaleSchedule, BatchNormAccumulation, noise_estimates
+from accum_callback.testing import launch_gloo
 from helpers import fit_quiet, make_learner
 
 F64 = torch.float64
@@ -169,7 +170,7 @@ def test_under_ddp_and_fsdp2_every_rank_measures_the_same_global_estimate():
     squared norm averaged over the ranks, the window's global; both ranks hold the same estimates (bitwise: the
     schedule depends on them), within 10% of the whole data set's truth after 128 windows, under DDP and FSDP2"""
     import ddp_worker as W
-    r0,r1 = W.spawn(W.noise_scale_ranks, timeout=120)
+    r0,r1 = launch_gloo(W.noise_scale_ranks, timeout=120)
     model = nn.Linear(D, 1, bias=False).double(); nn.init.zeros_(model.weight)
     want = truth(model, data())
     for kind in ('ddp', 'fsdp'):

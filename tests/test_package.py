@@ -1,6 +1,6 @@
 """The package as a whole: its modules form layers (each imports only those below it), the patches on fastai's Learner
 exist whichever name is imported first, and a fit that shards nothing does not load torch's FSDP package."""
-import ast, importlib.util, json, re, subprocess, sys
+import ast, importlib.util, re, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -8,25 +8,32 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT/'accum_callback'
 
-def _imports(path:Path)->set:
-    "The package's own modules a file imports, at its top or inside functions (`from .x import`, `from . import x`)"
+def _imports(path:Path, level:int=1)->set:
+    """The package's own modules a file imports, at its top or inside functions (`from .x import`, `from . import x`;
+    `level` 2 for a file of a subpackage: `from ..x import`)"""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
+        if isinstance(node, ast.ImportFrom) and node.level == level:
             if node.module: out.add(node.module.split('.')[0])
             else: out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('accum_callback.'):
             out.add(node.module.split('.')[1])
     return out
 
+def _layer_imports(m:str)->set:
+    "What the layer `m` imports of the package: a module's imports, or those of every file of a subpackage"
+    if (PKG/m).is_dir(): return set().union(*(_imports(p, level=2) for p in (PKG/m).glob('*.py')))
+    return _imports(PKG/f'{m}.py')
+
 def test_modules_form_layers_no_import_circle():
     import accum_callback
     layers = accum_callback._LAYERS
-    mods = {p.stem for p in PKG.glob('*.py') if p.stem not in ('__init__', '__main__')}
+    mods = {p.stem for p in PKG.glob('*.py') if p.stem not in ('__init__', '__main__')} | {p.parent.name for p in PKG.glob('*/__init__.py')}
     assert mods == set(layers), f'modules missing from accum_callback._LAYERS or gone: {mods ^ set(layers)}'
     for i,m in enumerate(layers):
-        up = _imports(PKG/f'{m}.py') - set(layers[:i])
-        assert not up, f'{m}.py imports {sorted(up)}, which are not below it in {layers}'
+        up = _layer_imports(m) - set(layers[:i])
+        assert not up, f'{m} imports {sorted(up)}, which are not below it in {layers}'
+    assert _layer_imports('micro') >= {'distributed', 'compat'}   # the subpackage's imports are read
 
 @pytest.mark.parametrize('first', ['GradientAccumulation', 'bn_to_groupnorm'])
 def test_the_learner_has_every_patch_whichever_name_comes_first(first):
@@ -57,7 +64,7 @@ def _private_uses(path:Path)->list:
     return out
 
 def test_private_torch_names_are_reached_only_through_compat():
-    files = [p for d in ('accum_callback', 'accum_finetune') for p in (ROOT/d).glob('*.py') if p.name != 'compat.py']
+    files = [p for d in ('accum_callback', 'accum_finetune') for p in (ROOT/d).rglob('*.py') if p.name != 'compat.py']
     found = [u for p in files for u in _private_uses(p)]
     assert not found, f'private torch names outside accum_callback/compat.py (add a helper there): {found}'
     assert _private_uses(PKG/'compat.py'), 'the check reads nothing'   # it does find them where they are

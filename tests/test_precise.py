@@ -3,11 +3,12 @@ against the exact statistics of the same items in one pass. The oracle runs the 
 copy of the model (BatchNorm normalising each micro-batch with its own statistics, as the recomputation does),
 catches every BatchNorm layer's inputs, and takes their mean and unbiased variance over all of them at once."""
 import copy, random
-import numpy as np, pytest, torch, torch.nn as nn
+import pytest, torch, torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
 from accum_callback.precise import training_items
+from accum_callback.testing import launch_gloo
 from helpers import fit_quiet, make_learner
 
 TOL = 1e-6   # relative, float64 against float64
@@ -93,7 +94,7 @@ def test_bad_input():
 def test_under_ddp_and_fsdp2_the_statistics_are_every_ranks():
     "2 gloo processes, each its own half of the items: every rank's running statistics are those of all the items"
     import ddp_worker as W
-    r0,r1 = W.spawn(W.precise_ranks, timeout=120)
+    r0,r1 = launch_gloo(W.precise_ranks, timeout=120)
     model = BNNet().double()
     x = torch.cat([images(seed=0).tensors[0][:20], images(seed=1, shift=1.).tensors[0][:20]])   # what the two ranks hold
     for kind in ('ddp', 'fsdp'):

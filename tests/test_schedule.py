@@ -1,11 +1,11 @@
 "Window-size schedules: windows follow the schedule exactly, every step stays exact, bad schedules fail at construction"
-import math, warnings
+import warnings
 import pytest, torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 from fastai.callback.schedule import SchedLin, SchedExp, SchedCos, combine_scheds
 
 from accum_callback import GradientAccumulation, WindowSchedule, batch_growth_from_lr
-from helpers import *
+from helpers import WindowSpy, fit_quiet, make_data, make_learner
 
 TOL = 1e-6
 

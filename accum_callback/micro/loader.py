@@ -1,0 +1,85 @@
+"""The training loader, cut: each loader batch into near-equal micro-batches (`piece_bounds`'s rule), read by fastai's loop
+in place of `learn.dl`; and `Piece`, what `GradientAccumulation` reads of the piece being run."""
+from __future__ import annotations
+from dataclasses import dataclass
+
+from fastai.callback.core import Callback
+from fastai.torch_core import find_bs
+
+from ..distributed import is_distributed
+from .pieces import n_pieces, next_piece, slice_batch
+
+__all__ = ['Piece', 'MicroBatches', 'CutLoader']
+
+@dataclass
+class Piece:
+    """The micro-batch being run, as `GradientAccumulation` sees it: `serial` (which loader batch, counting from 1 in a
+    fit), `batch_n` (that batch's items), `start`/`end` (the piece's rows), `last_piece` (the batch's last piece, which
+    acts for the window), `last_batch` (the epoch's last loader batch)"""
+    serial: int = 0
+    batch_n: int = 0
+    start: int = 0
+    end: int = 0
+    last_piece: bool = False
+    last_batch: bool = False
+
+class MicroBatches:
+    """The training loader with each of its batches cut into `ceil(n / size)` near-equal micro-batches (none larger than
+    the size in force, none needlessly small: a BatchNorm layer cannot train on one item). Everything else is the real
+    loader's (`bs`, `device`, `dataset`, ...). After an out-of-memory error `retry` makes it cut the same samples again,
+    at the size in force then. `mb` is the `MicroBatching` callback: its `size`, `rows`, `batch_started`/`batch_done`."""
+    def __init__(self, dl, mb):
+        self.dl,self.mb = dl,mb
+        self.piece,self.batch_index,self.retry,self._nom = Piece(),-1,False,None
+    def __getattr__(self, k):
+        if k in ('dl', 'mb'): raise AttributeError(k)
+        return getattr(self.dl, k)
+    def _sizes(self)->list:
+        "The loader's batch sizes, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each"
+        n,bs,nb = getattr(self.dl, 'n', None),self.dl.bs,len(self.dl)
+        if n is None or not bs: return [bs or 1]*nb
+        return [min(bs, n - i*bs) for i in range(nb)]
+    def __len__(self)->int:
+        "Micro-batches this epoch at the size in force (fastai's `n_iter` and progress bar read it)"
+        m = self.mb.size
+        return sum(n_pieces(b, m) for b in self._sizes()) if m else len(self.dl)
+    def pieces_left(self)->int:
+        "Micro-batches still to run this epoch at the size in force, the one being (re)run included"
+        m,sizes,p = self.mb.size,self._sizes(),self.piece
+        rest = sum(n_pieces(b, m) for b in sizes[self.batch_index+1:]) if m else len(sizes)-self.batch_index-1
+        if self.batch_index < 0: return rest
+        k,s,nom = 0,p.start,self._nom
+        while s < p.batch_n: s,nom = next_piece(s, p.batch_n, m, nom); k += 1
+        return rest + k
+    def __iter__(self):
+        nb,bs,mb = len(self.dl),self.dl.bs,self.mb
+        for bi,b in enumerate(self.dl):
+            n = find_bs(b)
+            # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
+            self._nom = bs if (is_distributed(mb.learn.model) and bs) else None
+            p = self.piece = Piece(serial=mb.batch_started(n), batch_n=n, last_batch=bi == nb-1)
+            self.batch_index = bi
+            if mb.rows: mb.rows.begin(n)   # a stateful model: the state this batch starts from, per row
+            while p.start < n:
+                p.end,nom = next_piece(p.start, n, mb.size, self._nom)
+                p.last_piece = p.end == n
+                yield slice_batch(b, p.start, p.end) if (p.start, p.end) != (0, n) else b
+                if self.retry: self.retry = False   # the same samples again, at the size in force now
+                else: p.start,self._nom = p.end,nom
+            if mb.rows: mb.rows.end()
+            mb.batch_done(n)
+        self.batch_index = nb
+
+    def progress(self)->float|None:
+        "How far through the epoch's loader batches the micro-batch just run is"
+        p = self.piece
+        return (self.batch_index + p.end/p.batch_n)/len(self.dl) if p.batch_n else None
+
+class CutLoader(Callback):
+    """Cuts the training loader into micro-batches once every callback that replaces it has (fastai's
+    `DistributedTrainer`, order 11, wraps `learn.dl` in `DistributedDL` in its `before_train`: cut before it, the pieces
+    were wrapped again and never cut), and before anything reads its length (the progress bar, order 60). Added by
+    `MicroBatching` for the length of a fit"""
+    order,run_valid = 12,False
+    def __init__(self, mb): self.mb = mb
+    def before_train(self): self.mb.start_train()

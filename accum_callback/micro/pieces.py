@@ -1,0 +1,60 @@
+"""Cutting a batch: which rows each piece holds (one rule, `piece_bounds`, and the halving after an out-of-memory error,
+`halved`), slicing a batch and joining the pieces' outputs, and telling an out-of-memory error from others."""
+from __future__ import annotations
+import torch
+
+from ..compat import OutOfMemoryError
+
+__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line']
+
+_OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
+              'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
+
+def is_out_of_memory(e:BaseException)->bool:
+    "Does `e` say the micro-batch did not fit: `torch.OutOfMemoryError`, or a RuntimeError that means the same"
+    if isinstance(e, OutOfMemoryError): return True
+    return isinstance(e, RuntimeError) and any(t in str(e) for t in _OOM_TEXTS)
+
+def n_pieces(n:int, size:int)->int:
+    "How many pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` (the rule; `piece_bounds` gives their rows)"
+    return -(-n//max(1, size))
+
+def next_piece(s:int, n:int, size:int, nom=None)->tuple:
+    """The end of the piece that starts at item `s` of `n`, and the `nom` for the next piece: the items left are cut into
+    `ceil(left/size)` near-equal pieces, counted on `nom` instead of the items left where given (under DDP: the loader's
+    batch size less `size` per piece cut, so that a rank's short batch is cut into as many pieces as the others')"""
+    left = n-s
+    e = s + -(-left//n_pieces(left if nom is None else nom, size))
+    return e,(None if nom is None else max(nom-size, 1))
+
+def piece_bounds(n:int, size:int)->list:
+    "`(start, end)` of the near-equal pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size`"
+    out,s = [],0
+    while s < n: e,_ = next_piece(s, n, size); out.append((s, e)); s = e
+    return out
+
+def halved(size:int)->int:
+    "The micro-batch size after an out-of-memory error at `size` (training, inference and the check's simulation alike)"
+    return size//2
+
+def first_line(e:BaseException)->str: return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+def slice_batch(b, s:int, e:int):
+    "Items `s:e` of a batch: tensors sliced along their first dimension, tuples and lists element by element"
+    if isinstance(b, torch.Tensor): return b[s:e]
+    if isinstance(b, (tuple, list)): return type(b)(slice_batch(o, s, e) for o in b)
+    raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
+                    "only tensors and tuples/lists of them (give the loader micro-batches instead, with `n_step`)")
+
+def cat_outputs(outs:list):
+    "The model outputs of consecutive pieces of a batch joined along the first dimension (tensors, tuples, lists, dicts)"
+    o = outs[0]
+    if isinstance(o, torch.Tensor):
+        if o.ndim == 0: raise TypeError("the model returns a 0-d tensor: its output cannot be joined over micro-batches")
+        return torch.cat(outs)
+    if isinstance(o, (tuple, list)): return type(o)(cat_outputs(list(z)) for z in zip(*outs))
+    if isinstance(o, dict): return type(o)((k, cat_outputs([d[k] for d in outs])) for k in o)
+    if o is None: return None
+    raise TypeError(f"the model returns a {type(o).__name__}: only tensors, tuples, lists and dicts of them can be joined "
+                    "over micro-batches")
+
