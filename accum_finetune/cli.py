@@ -9,6 +9,7 @@ import argparse, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
 from accum_callback.modes import BN_MODES
+from accum_callback.schedule import NotWholeNumber, whole_number   # (no torch: the CLI answers before it loads)
 from .precheck import arch_known, data_problem, gpu_visible, unknown_arch
 
 __all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main', 'run']
@@ -28,8 +29,8 @@ def _micro_bs(v:str):
 class _Parser(argparse.ArgumentParser):
     def error(self, message): raise UsageError(message)   # one line, not argparse's usage block
 
-def make_parser()->argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Fine-tune an image classifier with exact gradient accumulation and a BatchNorm "
+def make_parser(prog:str=PROG)->argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Fine-tune an image classifier with exact gradient accumulation and a BatchNorm "
                 "mode. With no --data: the embedded digits transfer task (pretrain on 0-4, fine-tune on 5-9).")
     a = p.add_argument
     a('--data', type=Path, default=None, metavar='DIR', help='one sub-folder of images per class, or train/ and valid/ '
@@ -40,13 +41,17 @@ def make_parser()->argparse.ArgumentParser:
       help='a local checkpoint, torchvision weights name (e.g. DEFAULT; downloaded where the network allows) or none. '
            'Default: resnet_tiny starts from its digits 0-4 checkpoint (built and cached on first use); other archs from scratch')
     a('--size', type=int, default=32, help='image side in pixels (default: 32)')
-    a('--micro-bs', type=_micro_bs, default=4, metavar='N|auto', help='samples per forward/backward, or auto: the '
-      'fastest that fits the GPU, found by halving after an out-of-memory error (the loader batch is then --effective-bs; '
-      'default: 4)')
+    a('--loader-bs', type=int, default=None, metavar='N', help="the loader's batch: samples per forward/backward unless "
+      "--micro-bs cuts it (default: 4; --effective-bs with --micro-bs auto)")
+    a('--micro-bs', type=_micro_bs, default=None, metavar='N|auto', help="GradientAccumulation's micro_bs: cut each loader "
+      "batch into micro-batches of N, or auto: the fastest that fits the GPU, found by halving after an out-of-memory "
+      "error. Without --loader-bs, a number is the old spelling of --loader-bs N (the same samples per forward/backward)")
     g = p.add_mutually_exclusive_group()
     g.add_argument('--effective-bs', type=int, default=None, help='samples per optimizer step (default: 32)')
-    g.add_argument('--n-step', type=int, default=None, help='micro-batches per optimizer step (instead of --effective-bs)')
+    g.add_argument('--n-step', type=int, default=None, help='loader batches per optimizer step (instead of --effective-bs)')
     a('--bn', default='auto', choices=_BN, metavar='MODE', help=f"BatchNorm mode: {', '.join(_BN)} (default: auto)")
+    a('--bn-precise', default='auto', metavar='N|auto', help="recompute the BatchNorm running statistics from N training "
+      "items with the epoch's final weights at the end of every epoch (0: never; default auto: 512 when --bn auto picks pool)")
     a('--epochs', type=int, default=3, help='default: 3')
     a('--lr', type=float, default=3e-3, help='peak one-cycle learning rate (default: 3e-3)')
     a('--seed', type=int, default=0, help='default: 0')
@@ -70,23 +75,39 @@ def make_parser()->argparse.ArgumentParser:
 
 def check_args(args)->argparse.Namespace:
     "Check the numbers and resolve `n_step`/`effective_bs`, or raise a `UsageError` naming the argument"
-    for k in ('micro_bs', 'epochs', 'size', 'threads', 'n_step', 'effective_bs'):
+    for k in ('loader_bs', 'micro_bs', 'epochs', 'size', 'threads', 'n_step', 'effective_bs'):
         v = getattr(args, k)
-        if v is not None and v != 'auto' and v < 1: raise UsageError(f"argument --{k.replace('_','-')}: must be >= 1, got {v}")
+        try:
+            if v is not None and v != 'auto': whole_number(v, k)   # the library's rule for every count
+        except NotWholeNumber: raise UsageError(f"argument --{k.replace('_','-')}: must be >= 1, got {v}") from None
+    if args.bn_precise != 'auto':
+        try: args.bn_precise = whole_number(int(args.bn_precise), 'bn_precise', lo=0)
+        except (ValueError, NotWholeNumber): raise UsageError(f"argument --bn-precise: must be a whole number >= 0 or auto, got {args.bn_precise}") from None
+        if args.bn_precise and args.bn in ('none', 'freeze'):
+            raise UsageError(f"argument --bn-precise: --bn {args.bn} " + ("has no BatchNorm callback" if args.bn == 'none' else
+                             "keeps the statistics frozen") + ": give another --bn, or --bn-precise 0")
     if not args.lr > 0: raise UsageError(f"argument --lr: must be > 0, got {args.lr}")
     if not 0 < args.valid_pct < 1: raise UsageError(f"argument --valid-pct: must be between 0 and 1, got {args.valid_pct}")
-    if args.micro_bs == 'auto':   # one loader batch of --effective-bs per step, cut into what fits
-        if args.n_step is not None: raise UsageError("argument --n-step: counts micro-batches of a fixed --micro-bs; with "
-                                                     "--micro-bs auto give --effective-bs")
+    bs_flag = '--loader-bs'
+    if isinstance(args.micro_bs, int) and args.loader_bs is None:   # the old spelling: --micro-bs N was the loader's batch
+        args.loader_bs,args.micro_bs,bs_flag = args.micro_bs,None,'--micro-bs'
+    if args.micro_bs == 'auto' and args.loader_bs is None:   # one loader batch of --effective-bs per step, cut into what fits
+        if args.n_step is not None: raise UsageError("argument --n-step: counts loader batches of --loader-bs; with "
+                                                     "--micro-bs auto alone give --effective-bs")
         args.effective_bs,args.n_step = 32 if args.effective_bs is None else args.effective_bs,1
-    elif args.n_step is not None: args.effective_bs = args.micro_bs*args.n_step
+        args.loader_bs = args.effective_bs
     else:
-        args.effective_bs = 32 if args.effective_bs is None else args.effective_bs
-        if args.micro_bs > args.effective_bs:
-            raise UsageError(f"argument --micro-bs: {args.micro_bs} is larger than --effective-bs {args.effective_bs}")
-        if args.effective_bs % args.micro_bs:
-            raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of --micro-bs {args.micro_bs}")
-        args.n_step = args.effective_bs//args.micro_bs
+        if args.loader_bs is None: args.loader_bs = 4
+        if isinstance(args.micro_bs, int) and args.micro_bs > args.loader_bs:
+            raise UsageError(f"argument --micro-bs: {args.micro_bs} is larger than --loader-bs {args.loader_bs} (it cuts the loader's batches)")
+        if args.n_step is not None: args.effective_bs = args.loader_bs*args.n_step
+        else:
+            args.effective_bs = 32 if args.effective_bs is None else args.effective_bs
+            if args.loader_bs > args.effective_bs:
+                raise UsageError(f"argument {bs_flag}: {args.loader_bs} is larger than --effective-bs {args.effective_bs}")
+            if args.effective_bs % args.loader_bs:
+                raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of {bs_flag} {args.loader_bs}")
+            args.n_step = args.effective_bs//args.loader_bs
     if args.out.exists() and not args.out.is_dir(): raise UsageError(f"--out {args.out}: exists and is not a folder")
     held = [f for f in RESULTS if (args.out/f).exists()]
     if held and not (args.overwrite or args.check_only):   # --check-only writes nothing
@@ -109,11 +130,13 @@ def check_args(args)->argparse.Namespace:
     return args
 
 def _summary(m:dict, source:str, files)->str:
+    cut = f" (loader batches of {m['loader_bs']} cut), {m['loader_bs']} x {m['n_step']}" if m['micro_bs'] != m['loader_bs'] else f" x {m['n_step']}"
     mb = (f"auto: {m['micro_bs']} found, {m['effective_bs']} per optimizer step" if m.get('micro_bs_mode') == 'auto' else
-          f"{m['micro_bs']} x {m['n_step']} = {m['effective_bs']} per optimizer step")
+          f"{m['micro_bs']}{cut} = {m['effective_bs']} per optimizer step")
     rows = [('data', source), ('arch', f"{m['arch']} ({'pretrained: '+m['weights'] if m['pretrained'] else 'from scratch'})"),
             ('micro_bs x n_step', mb),
-            ('bn', m['bn'] + (' (auto)' if m['bn_requested'] == 'auto' else '')), ('device', m['device']),
+            ('bn', m['bn'] + (f", precise {m['bn_precise']}" if m.get('bn_precise') else '') + (' (auto)' if m['bn_requested'] == 'auto' else '')),
+            ('device', m['device']),
             ('precision', m['precision']),
             ('epochs', f"{m['epochs']} ({m['n_train']} train / {m['n_valid']} valid images)"),
             ('optimizer_steps', m['optimizer_steps']),
@@ -151,8 +174,7 @@ def _run(args)->int:
     torch.set_num_threads(args.threads)   # the command's choice; `finetune` as a library leaves threads alone
     cache = None if args.data is None or args.cache == 'off' else (Path(args.cache) if args.cache else _image_cache())
     augment = args.augment if args.augment is not None else args.data is not None   # off for the embedded digits
-    auto = args.micro_bs == 'auto'
-    bs = args.effective_bs if auto else args.micro_bs   # the loader batch
+    bs = args.loader_bs
     # the data before any pretraining (fail fast): a folder is checked, and decoded into its cache if it has none
     dls = (digits_dls(bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device, augment=augment)
            if args.data is None else folder_dls(args.data, bs, args.size, args.valid_pct, args.seed, device=device,
@@ -165,7 +187,7 @@ def _run(args)->int:
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
-                              lr=args.lr, seed=args.seed, micro_bs='auto' if auto else None)
+                              lr=args.lr, seed=args.seed, micro_bs=args.micro_bs, bn_precise=args.bn_precise)
         if args.check or args.check_only:
             print(learn.check_accumulation(), flush=True)
             if args.check_only: return 0
@@ -179,24 +201,24 @@ def _run(args)->int:
     print(_summary(m, dls.source, files))
     return 0
 
-def main(argv=None)->int:
-    "Entry point of `accum-finetune` and `python -m accum_callback`; returns the exit status"
-    try: return _run(check_args(make_parser().parse_args(argv)))
-    except KeyboardInterrupt: print(f'{PROG}: interrupted; nothing written', file=sys.stderr); return 130
-    except UsageError as e: return _fail(e)
+def main(argv=None, prog:str=PROG)->int:
+    "Entry point of `accum-finetune` and `python -m accum_callback` (`prog`: how it was called, for its messages); returns the exit status"
+    try: return _run(check_args(make_parser(prog).parse_args(argv)))
+    except KeyboardInterrupt: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
+    except UsageError as e: return _fail(e, prog)
     except ValueError as e:
         from .data import DataError
         from .models import ArchError
         if not isinstance(e, (DataError, ArchError)): raise
-        return _fail(e)
+        return _fail(e, prog)
 
-def run():
+def run(prog:str=PROG):
     """`accum-finetune`, `python -m accum_callback` and `python -m accum_finetune`: `main()`'s status as the process's exit
     status. After Ctrl-C it leaves with `os._exit(130)`: CPython kills itself with SIGINT at exit when a KeyboardInterrupt
     once crossed code run through its C API (as imports can), even one that was caught, turning 130 into -2."""
     import os
-    code = main()
+    code = main(prog=prog)
     if code == 130: sys.stdout.flush(); sys.stderr.flush(); os._exit(130)
     sys.exit(code)
 
-def _fail(e)->int: print(f'{PROG}: error: {e}', file=sys.stderr); return 2
+def _fail(e, prog:str=PROG)->int: print(f'{prog}: error: {e}', file=sys.stderr); return 2

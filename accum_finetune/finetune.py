@@ -13,9 +13,10 @@ from fastai.metrics import accuracy
 from fastai.torch_core import find_bs, set_seed
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
+from accum_callback.micro import micro_batching, n_pieces
 from .models import ArchError, DEFAULT_ARCH, create_model, has_batchnorm, load_weights
 
-__all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn',
+__all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn', 'auto_precise',
            'precision_callbacks', 'build_learner', 'Throughput', 'finetune', 'plot_training', 'write_metrics']
 
 from accum_callback.modes import BN_MODES
@@ -59,17 +60,27 @@ def precision_callbacks(precision:str)->list:
     return [MixedPrecision(amp_mode=precision)]
 
 # -- BatchNorm mode -------------------------------------------------------------------------------------------------
-# From the study in `nbs/02_batchnorm_study.ipynb` (numbers in `docs/main_job.md`)
+# From the studies: nbs/02_batchnorm_study.ipynb (docs/study_results.csv, docs/study_scratch.csv) and
+# bench/bn_precise_study.py (docs/bn_precise_digits.csv, docs/bn_precise_scratch.csv); the figures in docs/batchnorm.md
 AUTO_FULL_BS = 16   # micro-batches at least this large: plain BatchNorm statistics are as good as the large batch's
+AUTO_GROUPNORM_BELOW = 8   # from scratch, micro-batches smaller than this train with GroupNorm
+PRECISE_ITEMS = 512   # `--bn auto`'s 'pool' recomputes the running statistics from this many items at each epoch's end
 
 def auto_bn(micro_bs:int, n_step:int, pretrained:bool, has_bn:bool=True)->str:
     "The `--bn auto` choice, by micro-batch size and whether the network starts from pretrained weights"
     if not has_bn or n_step == 1 or micro_bs >= AUTO_FULL_BS: return 'none'
-    # Measured (docs/study_results.csv, pretrained, 5 seeds; docs/study_scratch.csv, from scratch, 3 seeds): 'pool' was
-    # the closest to the large batch at micro-batch 2 both ways (-0.34 and -1.49 points) and within noise of the best
-    # at 4. 'freeze', the usual advice for pretrained networks, lost 21 points; 'renorm' and 'groupnorm' lost 0.9-4.3.
-    # So the measured choice is the same with and without pretrained weights.
+    # From scratch, BatchNorm trained on micro-batches of 2 or 4 can be far off: resnet18 on 430 digits, 2 epochs, reached
+    # 0.49-0.60 with plain BatchNorm or 'pool' (recomputed statistics or not) where GroupNorm reached 0.98 (3 seeds); on
+    # the job's resnet_tiny 'pool' was 2.8 points above GroupNorm, within the noise of 3 seeds. GroupNorm's worst case is
+    # the smaller loss. From micro-batch 8, or with pretrained weights, 'pool' with recomputed statistics was the best
+    # or within 0.2 points of it in every cell measured.
+    if not pretrained and micro_bs < AUTO_GROUPNORM_BELOW: return 'groupnorm'
     return 'pool'
+
+def auto_precise(mode:str)->int|None:
+    """`--bn-precise auto`: with 'pool', the running statistics recomputed from `PRECISE_ITEMS` training items at the end
+    of every epoch (a short run's big-batch statistics lag its weights: 0.58 -> 0.87 after one epoch on the digits)"""
+    return PRECISE_ITEMS if mode == 'pool' else None
 
 # -- learner --------------------------------------------------------------------------------------------------------
 class Throughput(Callback):
@@ -92,11 +103,14 @@ class Throughput(Callback):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024   # Linux reports KiB
 
 def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
-                  precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=())->Learner:
+                  precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=(),
+                  bn_precise:int|str|None='auto')->Learner:
     """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step, micro_bs=micro_bs)`,
     the BatchNorm callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed`
     (the loaders' shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`, or `micro_bs`
-    items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found)."""
+    items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found).
+    `bn_precise`: training items the running statistics are recomputed from at each epoch's end (`BatchNormAccumulation
+    (precise=N)`); 'auto': `auto_precise` of the mode `bn='auto'` chose, none for a mode given; None or 0: none."""
     if bn not in JOB_BN_MODES: raise ValueError(f"`bn` must be one of {JOB_BN_MODES}, got {bn!r}")
     set_seed(seed, reproducible=True)
     # fastai loaders draw their shuffling seed from Python's `random` when they are built, before this call: reseed
@@ -106,11 +120,15 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
     pretrained = (load_weights(model, weights, arch) if weights else 0) > 0
     if bn != 'auto': mode = bn
     elif micro_bs == 'auto': mode = 'pool' if has_batchnorm(model) else 'none'
-    else: mode = auto_bn(micro_bs or dls.train.bs, n_step*(-(-dls.train.bs//micro_bs) if micro_bs else 1), pretrained, has_batchnorm(model))
+    else: mode = auto_bn(micro_bs or dls.train.bs, n_step*n_pieces(dls.train.bs, micro_bs or dls.train.bs), pretrained, has_batchnorm(model))
+    precise = (auto_precise(mode) if bn == 'auto' else None) if bn_precise == 'auto' else (bn_precise or None)
+    if precise and mode in ('none', 'freeze'):
+        raise ValueError(f"`bn_precise`: recomputed statistics need BatchNormAccumulation, and bn={mode!r} "
+                         + ("has none" if mode == 'none' else "keeps the statistics frozen") + ": give another `bn`, or no `bn_precise`")
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
-                    cbs=[GradientAccumulation(n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode)] if mode != 'none' else [])
+                    cbs=[GradientAccumulation(n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode, precise=precise)] if mode != 'none' else [])
                         + precision_callbacks(precision) + [Throughput()] + list(cbs))
-    learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode,
+    learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode, bn_precise=precise,
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
     return learn
 
@@ -124,11 +142,11 @@ def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True
     secs = time.perf_counter()-t0
     rec,ga,tp,job,dls = learn.recorder,learn.gradient_accumulation,learn.throughput,learn.job,learn.dls
     accs = [float(v[2]) for v in rec.values]
-    bs = dls.train.bs
+    bs,mb = dls.train.bs,micro_batching(learn)
     return dict(accuracy=accs[-1], valid_loss=float(rec.values[-1][1]), accuracy_per_epoch=accs,
-                micro_bs=ga.micro_bs or bs, effective_bs=bs*job['n_step'], n_step=job['n_step'],
-                micro_bs_mode='auto' if ga.micro_bs_mode == 'auto' else 'fixed',
-                micro_bs_trials={str(k): round(v, 1) for k,v in ga.micro_bs_trials.items()}, bn=job['bn'], bn_requested=job['bn_requested'],
+                micro_bs=(mb.size if mb is not None else None) or bs, loader_bs=bs, effective_bs=bs*job['n_step'], n_step=job['n_step'],
+                micro_bs_mode='auto' if mb is not None and mb.auto else 'fixed',
+                micro_bs_trials={str(k): round(v, 1) for k,v in (mb.trials if mb is not None else {}).items()}, bn=job['bn'], bn_precise=job['bn_precise'], bn_requested=job['bn_requested'],
                 epochs=epochs, optimizer_steps=ga.steps, lr=lr, seed=job['seed'], arch=job['arch'],
                 weights=job['weights'], pretrained=job['pretrained'],
                 n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1),
@@ -143,7 +161,7 @@ def plot_training(learn:Learner, metrics:dict, fname):
     fig = Figure(figsize=(10,3.8))
     a0,a1 = fig.subplots(1, 2)
     learn.gradient_accumulation.plot_windows(a0)
-    a0.set_title(f"{metrics['micro_bs']} x {metrics['n_step']} = {metrics['effective_bs']} per step, bn={metrics['bn']}")
+    a0.set_title(f"micro-batch {metrics['micro_bs']}, {metrics['loader_bs']} x {metrics['n_step']} = {metrics['effective_bs']} per step, bn={metrics['bn']}")
     accs = metrics['accuracy_per_epoch']
     a1.plot(range(1, len(accs)+1), accs, marker='o')
     a1.set_xlabel('epoch'); a1.set_ylabel('validation accuracy'); a1.set_title(f"final accuracy {accs[-1]:.3f}")

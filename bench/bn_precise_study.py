@@ -11,7 +11,7 @@ of 2, 4 and 8 (32 items a step) in short runs and 4 in long ones, several seeds,
 One CSV row per run. Reproduce: `python bench/bn_precise_study.py --task digits --out docs/bn_precise_digits.csv` and
 `--task scratch --out docs/bn_precise_scratch.csv` (about 10 and 25 minutes on one CPU core each), then
 `python bench/bn_precise_study.py --plot docs/bn_precise.png`."""
-import argparse, csv, os, sys, time, warnings
+import argparse, csv, time, warnings
 from pathlib import Path
 import numpy as np
 
@@ -84,11 +84,11 @@ def main(argv=None):
                 print(r, flush=True)
 
 def summary(rows)->list:
-    "(task, epochs, setting, micro_bs, precise, mean accuracy, sd, n)"
+    "(task, epochs, setting, micro_bs, precise, mean accuracy, sd over seeds (n-1), n)"
     from collections import defaultdict
     g = defaultdict(list)
     for r in rows: g[(r['task'], int(r['epochs']), r['mode'], int(r['micro_bs']), int(r['precise']))].append(float(r['accuracy']))
-    return [(*k, float(np.mean(v)), float(np.std(v)), len(v)) for k,v in sorted(g.items())]
+    return [(*k, float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float('nan'), len(v)) for k,v in sorted(g.items())]
 
 def load(paths)->list:
     rows = []
@@ -96,11 +96,18 @@ def load(paths)->list:
         with open(p) as f: rows += list(csv.DictReader(f))
     return rows
 
+DOCS = Path(__file__).resolve().parents[1]/'docs'
+CSVS = (DOCS/'bn_precise_digits.csv', DOCS/'bn_precise_scratch.csv')
+
+def table(s=None)->str:
+    "The markdown table docs/batchnorm.md shows, from the recorded CSVs"
+    s = summary(load(CSVS)) if s is None else s
+    return '\n'.join(['| task | epochs | setting | micro-batch | accuracy (mean ± sd) | seeds |', '|---|---|---|---|---|---|'] +
+                     [f"| {t} | {e} | {mode}{' + precise' if pr else ''} | {mb} | {m:.4f} ± {sd:.4f} | {n} |" for t,e,mode,mb,pr,m,sd,n in s])
+
 def plot(png):
     import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
-    root = Path(__file__).resolve().parents[1]/'docs'
-    rows = load([root/'bn_precise_digits.csv', root/'bn_precise_scratch.csv'])
-    s = summary(rows)
+    s = summary(load(CSVS))
     tasks = sorted({(t, e) for t,e,*_ in s})
     fig,axes = plt.subplots(1, len(tasks), figsize=(4*len(tasks), 3.6), sharey=False)
     for ax,(t,e) in zip(np.atleast_1d(axes), tasks):
@@ -109,11 +116,9 @@ def plot(png):
                 pts = sorted((mb, m) for tt,ee,mo,mb,pr,m,sd,n in s if (tt, ee, mo, pr) == (t, e, mode, precise))
                 if pts: ax.plot(*zip(*pts), ls, marker='o', label=f"{mode}{' + precise' if precise else ''}")
         ax.set_xscale('log', base=2); ax.set_xlabel('micro-batch (32 items a step)'); ax.set_ylabel('validation accuracy')
-        ax.set_title(f'{t}, {e} epochs')
+        ax.set_title(f"{t}, {e} epoch{'s' if e > 1 else ''}")
     np.atleast_1d(axes)[-1].legend(fontsize=7)
     fig.tight_layout(); fig.savefig(png, dpi=100)
-    print('| task | epochs | setting | micro-batch | accuracy (mean ± sd) | seeds |\n|---|---|---|---|---|---|')
-    for t,e,mode,mb,pr,m,sd,n in s:
-        print(f"| {t} | {e} | {mode}{' + precise' if pr else ''} | {mb} | {m:.4f} ± {sd:.4f} | {n} |")
+    print(table(s))
 
 if __name__ == '__main__': main()

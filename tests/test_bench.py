@@ -109,3 +109,10 @@ def test_noise_cost_runs():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert 'measured / plain time:' in res.stdout and 'inside the callback:' in res.stdout
+
+def test_precise_cost_runs():
+    "bench/precise_cost.py's code path at tiny sizes (figures mean nothing here)"
+    res = subprocess.run([sys.executable, str(ROOT/'bench'/'precise_cost.py'), '--rounds', '1', '--windows', '1', '--items', '16'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert 'recomputation / training epoch:' in res.stdout

@@ -1,5 +1,5 @@
 "`python -m accum_callback` / `accum-finetune`: defaults, a folder of images, every bad input, metrics.json"
-import json, math, os, signal, subprocess, sys, time, warnings
+import json, math, signal, subprocess, sys, time, warnings
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from accum_finetune.cli import check_args, make_parser
-from accum_finetune.finetune import auto_bn
+from accum_finetune.finetune import auto_bn, auto_precise
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def check_error(res, out:Path, *names):
     assert res.returncode != 0
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, res.stderr
-    assert lines[0].startswith('accum-finetune: error:') and 'Traceback' not in res.stderr
+    assert lines[0].startswith('python -m accum_callback: error:') and 'Traceback' not in res.stderr   # as it was called
     for n in names: assert str(n) in lines[0], (n, lines[0])
     assert not out.exists() or not any(out.iterdir())
 
@@ -50,6 +50,7 @@ def test_defaults_short(cache, tmp_path):
     for k in ('accuracy', 'micro_bs', 'effective_bs', 'n_step', 'bn', 'epochs', 'optimizer_steps'): assert k in m
     assert (m['micro_bs'], m['effective_bs'], m['n_step'], m['epochs']) == (4, 32, 8, 1)
     assert m['bn'] == auto_bn(4, 8, True) and m['bn_requested'] == 'auto' and m['pretrained']
+    assert m['bn_precise'] == auto_precise(m['bn']) == 512   # the statistics of the final weights
     assert m['optimizer_steps'] == -(-(m['n_train']//4)//8)   # full windows, then the epoch's partial one
     # 179 validation images, 5 classes (chance 0.2): one epoch from the digits 0-4 checkpoint reached 0.63 here, so
     # 0.4 is about 40 images below what is seen, not one image
@@ -158,6 +159,7 @@ def test_help_and_argument_errors_load_no_torch(args, names, tmp_path):
                          text=True, cwd=ROOT, timeout=60)
     assert 'heavy: [] exit:' in res.stdout, (res.stdout, res.stderr)
     assert res.stdout.rstrip().endswith('exit: 0' if args == ('--help',) else 'exit: 2')
+    assert ('usage: python -m accum_callback' in res.stdout) == (args == ('--help',))   # named as it was called
     if names:
         err = [l for l in res.stderr.splitlines() if l.strip()]
         assert len(err) == 1 and all(n in err[0] for n in names), res.stderr
@@ -197,7 +199,7 @@ def test_ctrl_c_one_line_exit_130(tmp_path, delay):
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     _,err = p.communicate(timeout=60)
-    assert p.returncode == 130 and [l for l in err.splitlines() if l.strip()] == ['accum-finetune: interrupted; nothing written'], err
+    assert p.returncode == 130 and [l for l in err.splitlines() if l.strip()] == ['python -m accum_callback: interrupted; nothing written'], err
     assert not out.exists()
 
 # -- bad input -------------------------------------------------------------------------------------------------
@@ -226,7 +228,8 @@ def test_existing_out_left_alone(tmp_path):
 @pytest.mark.parametrize('args,names', [
     (('--micro-bs', 64), ('--micro-bs', '64', '--effective-bs', '32')),
     (('--micro-bs', 8, '--effective-bs', 4), ('--micro-bs', '8', '--effective-bs', '4')),
-    (('--effective-bs', 30), ('--effective-bs', '30', '--micro-bs')),
+    (('--effective-bs', 30), ('--effective-bs', '30', '--loader-bs')),
+    (('--micro-bs', 8, '--effective-bs', 12), ('--effective-bs', '12', '--micro-bs', '8')),   # the old spelling named as typed
     (('--arch', 'resnet_nope'), ('--arch', 'resnet_nope')),
     (('--arch', 'timm/no_such_net'), ('--arch', 'timm/no_such_net', 'timm')),   # unknown to timm, or timm missing
     (('--bn', 'batch'), ('--bn', 'batch')),
@@ -237,6 +240,11 @@ def test_existing_out_left_alone(tmp_path):
     (('--precision', 'fp8'), ('--precision', 'fp8')),
     (('--micro-bs', 'big'), ('--micro-bs', 'big', 'auto')),
     (('--micro-bs', 'auto', '--n-step', 4), ('--n-step', '--micro-bs auto', '--effective-bs')),
+    (('--loader-bs', 4, '--micro-bs', 8), ('--micro-bs', '8', '--loader-bs', '4')),
+    (('--loader-bs', 0), ('--loader-bs',)),
+    (('--bn-precise', 'lots'), ('--bn-precise', 'lots')),
+    (('--bn', 'freeze', '--bn-precise', 256), ('--bn-precise', '--bn freeze')),
+    (('--loader-bs', 8, '--effective-bs', 12), ('--effective-bs', '12', '--loader-bs', '8')),
     (('--device', 'cpu', '--precision', 'fp16'), ('--precision', 'fp16', '--device cuda')),   # autocast on CUDA only
 ])
 def test_bad_arguments(tmp_path, args, names):
@@ -244,30 +252,77 @@ def test_bad_arguments(tmp_path, args, names):
 
 def test_parse_n_step_and_effective_bs():
     p = make_parser()
-    a = check_args(p.parse_args(['--micro-bs', '2', '--n-step', '16'])); assert (a.effective_bs, a.n_step) == (32, 16)
-    a = check_args(p.parse_args(['--micro-bs', '8'])); assert (a.effective_bs, a.n_step) == (32, 4)
-    a = check_args(p.parse_args(['--micro-bs', '32'])); assert (a.effective_bs, a.n_step, a.bn) == (32, 1, 'auto')
+    parse = lambda *a: check_args(p.parse_args(list(a)))
+    a = parse('--loader-bs', '2', '--n-step', '16'); assert (a.effective_bs, a.n_step, a.loader_bs, a.micro_bs) == (32, 16, 2, None)
+    a = parse('--loader-bs', '8'); assert (a.effective_bs, a.n_step) == (32, 4)
+    a = parse(); assert (a.loader_bs, a.effective_bs, a.n_step, a.micro_bs) == (4, 32, 8, None)
+    # the old spelling: a number given to --micro-bs alone is the loader's batch, as before
+    for old,new in ((['--micro-bs', '2', '--n-step', '16'], ['--loader-bs', '2', '--n-step', '16']), (['--micro-bs', '8'], ['--loader-bs', '8']),
+                    (['--micro-bs', '32'], ['--loader-bs', '32'])):
+        a,b = parse(*old),parse(*new)
+        assert (a.loader_bs, a.micro_bs, a.n_step, a.effective_bs) == (b.loader_bs, b.micro_bs, b.n_step, b.effective_bs)
+    a = parse('--micro-bs', '32'); assert (a.effective_bs, a.n_step, a.bn) == (32, 1, 'auto')
+    # the library's micro_bs: loader batches cut; n_step counts loader batches
+    a = parse('--loader-bs', '8', '--micro-bs', '2'); assert (a.loader_bs, a.micro_bs, a.n_step, a.effective_bs) == (8, 2, 4, 32)
+    a = parse('--micro-bs', 'auto'); assert (a.loader_bs, a.micro_bs, a.n_step, a.effective_bs) == (32, 'auto', 1, 32)
+    a = parse('--micro-bs', 'auto', '--loader-bs', '16'); assert (a.loader_bs, a.micro_bs, a.n_step, a.effective_bs) == (16, 'auto', 2, 32)
+
+def test_loader_batches_cut_train_as_the_loader_batches_of_that_size(tmp_path):
+    """--loader-bs 4 --micro-bs 2 --n-step 2 (the library cuts each loader batch in two) trains as --loader-bs 2
+    --n-step 4 (the same samples a step, the same micro-batches): the same validation loss, to float rounding"""
+    data = make_folder(tmp_path/'imgs')
+    common = ('--data', data, '--bn', 'none', '--epochs', 1, '--valid-pct', 0.2, '--device', 'cpu', '--no-augment', '--weights', 'none')   # 24 training images
+    res = [run_cli(*common, *a, '--out', tmp_path/f'out{i}') for i,a in enumerate([('--loader-bs', 4, '--micro-bs', 2, '--n-step', 2),
+                                                                                     ('--loader-bs', 2, '--n-step', 4)])]
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    m = [json.loads((tmp_path/f'out{i}'/'metrics.json').read_text()) for i in range(2)]
+    assert [(x['micro_bs'], x['loader_bs'], x['n_step'], x['effective_bs']) for x in m] == [(2, 4, 2, 8), (2, 2, 4, 8)]
+    assert m[0]['optimizer_steps'] == m[1]['optimizer_steps'] >= 2
+    assert abs(m[0]['valid_loss'] - m[1]['valid_loss']) <= 1e-5*max(1., abs(m[1]['valid_loss']))
+    assert 'micro_bs x n_step  2 (loader batches of 4 cut), 4 x 2 = 8 per optimizer step' in res[0].stdout
 
 def test_auto_rule():
     assert auto_bn(32, 1, True) == 'none' and auto_bn(16, 2, False) == 'none'
     assert auto_bn(4, 8, True, has_bn=False) == 'none'
     for mbs in (2, 4, 8): assert auto_bn(mbs, 32//mbs, True) != 'none' and auto_bn(mbs, 32//mbs, False) != 'none'
 
-@pytest.mark.parametrize('csv,pretrained', [('study_results.csv', True), ('study_scratch.csv', False)])
-def test_auto_rule_follows_the_recorded_study(csv, pretrained):
-    "`auto` picks, at each micro-batch size studied, a mode within 0.5 point of the best mean measured there"
+def _study_cells():
+    """Every recorded study as cells `(name, micro_bs, {setting: accuracies over seeds})`, the settings the job can pick
+    ('pool', 'pool+precise', 'groupnorm', ...; not the large batch, which needs the memory of one), and `pretrained`"""
     pd = pytest.importorskip('pandas')
-    df = pd.read_csv(ROOT/'docs'/csv)
-    means = df[df.config != 'large batch'].groupby(['micro_bs', 'bn']).accuracy.mean()
-    for mbs, by_mode in means.groupby(level=0):
-        by_mode = by_mode.droplevel(0)
-        pick = auto_bn(mbs, 32//mbs, pretrained)
-        assert pick in by_mode and by_mode[pick] >= by_mode.max() - 0.005, (mbs, pick, by_mode.to_dict())
+    for csv,pretrained in (('study_results.csv', True), ('study_scratch.csv', False)):   # notebook 02 (no precise)
+        df = pd.read_csv(ROOT/'docs'/csv)
+        for mbs,g in df[df.config != 'large batch'].groupby('micro_bs'):
+            yield csv, int(mbs), pretrained, {bn: list(x.accuracy) for bn,x in g.groupby('bn')}
+    for csv,pretrained in (('bn_precise_digits.csv', True), ('bn_precise_scratch.csv', False)):   # bench/bn_precise_study.py
+        df = pd.read_csv(ROOT/'docs'/csv)
+        df = df[df['mode'] != 'large']
+        for (ep,mbs),g in df.groupby(['epochs', 'micro_bs']):
+            yield f'{csv} {ep} epochs', int(mbs), pretrained, {m + ('+precise' if p else ''): list(x.accuracy) for (m,p),x in g.groupby(['mode', 'precise'])}
+
+def test_auto_rule_follows_the_recorded_studies():
+    """`--bn auto` picks, at each micro-batch of every recorded study, a setting within 2 points of the best mean measured
+    there (the issue's bar), or, where it is not, not significantly below it: the difference of the means is within two
+    standard errors (3-5 seeds: one seed must not decide a rule)"""
+    import numpy as np
+    cells = list(_study_cells())
+    assert len(cells) >= 8
+    for name,mbs,pretrained,by in cells:
+        mode = auto_bn(mbs, 32//mbs, pretrained)
+        pick = mode + ('+precise' if auto_precise(mode) and f'{mode}+precise' in by else '')
+        assert pick in by, (name, mbs, pick, list(by))
+        best = max(by, key=lambda k: np.mean(by[k]))
+        a,b = np.array(by[pick]),np.array(by[best])
+        se = np.sqrt(a.var(ddof=1)/len(a) + b.var(ddof=1)/len(b))
+        assert a.mean() >= b.mean() - max(0.02, 2*se), (name, mbs, pick, a.mean(), best, b.mean(), se)
+    # the from-scratch case the rule was changed for: GroupNorm, where plain BatchNorm and 'pool' fell far behind
+    by = next(c[3] for c in cells if c[0] == 'bn_precise_scratch.csv 2 epochs' and c[1] == 2)
+    assert auto_bn(2, 16, False) == 'groupnorm' and np.mean(by['groupnorm']) - np.mean(by['pool+precise']) > 0.2
 
 # -- the real default, timed (run by hand for docs/main_job.md; the suite keeps the one-epoch run above) ----------
 @pytest.mark.slow
 def test_default_full(tmp_path, monkeypatch):
-    "Fresh cache and all defaults: accuracy >= 0.9 on 179 images (0.96-0.97 seen: 10+ images of margin); time printed, not asserted"
+    "Fresh cache and all defaults: accuracy >= 0.9 on 179 images (0.95-0.97 seen: 8+ images of margin); time printed, not asserted"
     monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(tmp_path/'cache'))
     t0 = time.perf_counter(); res = run_cli('--out', tmp_path/'out'); secs = time.perf_counter()-t0
     assert res.returncode == 0, res.stderr
