@@ -47,11 +47,15 @@ def _checkout_paths(root)->set:
     return out
 
 @pytest.fixture(scope='session', autouse=True)
-def writes_nothing_into_the_checkout():
-    "No test leaves a file or folder in the checkout (fastai's `models/`, a run's outputs): they go to temporary folders"
+def writes_nothing_into_the_checkout(tmp_path_factory):
+    """No test leaves a file or folder in the checkout: the tests run from a temporary folder (a Learner's default path
+    is the working directory, and fastai 2.7's `lr_find` leaves its `models/` there), and a test that still writes into
+    the checkout fails the session"""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    before = _checkout_paths(root)
-    yield
+    before,cwd = _checkout_paths(root),os.getcwd()
+    os.chdir(tmp_path_factory.mktemp('cwd'))
+    try: yield
+    finally: os.chdir(cwd)
     new = sorted(_checkout_paths(root) - before)
     assert not new, f'the tests left these in the checkout: {new}'
