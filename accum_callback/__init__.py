@@ -20,7 +20,7 @@ __all__ = list(_API)
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
-_LAYERS = ('modes', 'compat', 'guard', 'schedule', 'losses', 'norm_layers', 'distributed', 'micro', 'precise', 'accumulate',
+_LAYERS = ('modes', 'compat', 'schedule', 'losses', 'norm_layers', 'distributed', 'guard', 'micro', 'precise', 'accumulate',
            'batchnorm', 'check', 'fsdp', 'noise', 'testing')
 
 def _load_all():

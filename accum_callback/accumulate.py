@@ -10,10 +10,10 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
-from .compat import compiled_with_cuda_graphs, foreach
+from .compat import foreach
 from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_sync, is_distributed, is_fsdp,
                           set_resharding, sum_over_ranks, world_size, zero_grads)
-from .guard import add_fit_guard, remove_fit_guard, in_inference
+from .guard import add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_twins, remove_fit_guard
 from .losses import loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs
 from .schedule import PARTIAL_MODES, WindowSchedule, flag, window_arguments
@@ -61,25 +61,13 @@ class Window:
 
 _UNDO_FIELDS = tuple(k for k in Window.__slots__ if k not in ('n_units', 'unit_action', 'target'))   # put back by an undo
 
-def _refuse_in_fit(learn):
-    "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"
-    if any(isinstance(cb, FastaiGradientAccumulation) for cb in learn.cbs):
-        raise ValueError("Two gradient accumulation callbacks are on this Learner: `accum_callback.GradientAccumulation` "
-                         "and fastai's `fastai.callback.training.GradientAccumulation`; they would both rescale "
-                         "and skip steps. Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` "
-                         "(or use `learn.accumulate(...)`, which replaces it)")
-    check_fsdp(learn.model)
-    if compiled_with_cuda_graphs(learn.model):
-        raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): their "
-                         "reused output buffers corrupt gradients accumulated over several backward passes (PyTorch "
-                         "issues 96693, 181723). Compile with `mode='default'` or `mode='max-autotune-no-cudagraphs'`")
-
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window"
     # Before `MixedPrecision` (10) and `GradientClip` (11) in `before_step`: the scaler unscales, checks and updates,
     # and clipping clips, once per window and on the finished window gradient. `_only_train_loop`: `learn.summary()`
     # runs its forward without us.
     order,run_valid,_only_train_loop = MixedPrecision.order-4,False,True
+    one_per_learner = "(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)"
 
     def __init__(self,
         n_step:int|dict|callable=None, # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
@@ -162,7 +150,7 @@ class GradientAccumulation(Callback):
         # fastai sends `before_fit`/`after_fit` around `validate`, `get_preds`, `predict` and `tta` too, holding the
         # Learner's lock: nothing to do there, and a raise would leave the lock held (every later validate hangs)
         if in_inference(self.learn): return
-        _refuse_in_fit(self.learn)
+        refuse_twins(self.learn); refuse_accumulation_conflicts(self.learn)   # (before anything is set up)
         self._new_fit = True   # the logs of the last fit are reset at its first training batch: they survive a `validate()`
         self.window.reset(); self.window.start_micro()
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window

@@ -15,7 +15,7 @@ from .compat import foreach, module_dicts
 from .micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
-from .guard import CANCELS, add_fit_guard, remove_fit_guard, in_inference
+from .guard import CANCELS, add_fit_guard, in_inference, refuse_twins, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
 from .schedule import whole_number
@@ -280,6 +280,7 @@ class BatchNormAccumulation(Callback):
     every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
     exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md)."""
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
+    one_per_learner = "(Each would convert, freeze or pool the same layers.)"
 
     def __init__(self,
         mode:str='pool', # one of `BN_MODES`
@@ -313,6 +314,7 @@ class BatchNormAccumulation(Callback):
         # `validate`/`get_preds`/`predict` send `before_fit` too, holding the Learner's lock: no conversion, no hooks and
         # no raise there (a raise would leave the lock held); everything happens when training starts
         if in_inference(self.learn): return
+        refuse_twins(self.learn)
         self._restore()   # whatever an interrupted fit left behind
         mode = MODES[self.mode]
         self.ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)

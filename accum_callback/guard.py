@@ -1,8 +1,13 @@
-"Fit bookkeeping shared by the callbacks: clean-up when an exception leaves `fit`, and telling a fit from inference"
+"""Fit bookkeeping shared by the callbacks: what a fit is refused for (checked before any of ours sets anything up),
+clean-up when an exception leaves `fit`, and telling a fit from inference"""
 from __future__ import annotations
 from fastai.callback.core import CancelEpochException, CancelFitException
+from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 
-__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference']
+from .compat import compiled_with_cuda_graphs
+from .distributed import check_fsdp
+
+__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'refuse_twins', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
@@ -38,3 +43,33 @@ def remove_fit_guard(learn, key):
     if not isinstance(g, FitGuard): return
     g.cleanups.pop(key, None)
     if not g.cleanups: del learn.__dict__['_do_epoch']
+
+# -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
+def _own_class(cb):
+    "The class of ours that `cb` is (or subclasses) if it is one a Learner may hold once, else None"
+    return next((c for c in type(cb).__mro__ if 'one_per_learner' in c.__dict__), None)
+
+def refuse_twins(learn):
+    """A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and
+    rescale, two `MicroBatching`s cut twice). Classes take part with `one_per_learner = "how to add it once"`."""
+    seen = {}
+    for i,cb in enumerate(learn.cbs):
+        if (c := _own_class(cb)) is not None: seen.setdefault(c, []).append(i)
+    for c,idx in seen.items():
+        if len(idx) > 1:
+            raise ValueError(f"This Learner has {len(idx)} `{c.__name__}` callbacks (`learn.cbs[{idx[0]}]` and `learn.cbs"
+                             f"[{idx[1]}]`); it takes one. {c.one_per_learner} Remove the one you do not want: "
+                             f"`learn.remove_cb(learn.cbs[{idx[-1]}])`")
+
+def refuse_accumulation_conflicts(learn):
+    "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"
+    if any(isinstance(cb, FastaiGradientAccumulation) for cb in learn.cbs):
+        raise ValueError("Two gradient accumulation callbacks are on this Learner: `accum_callback.GradientAccumulation` "
+                         "and fastai's `fastai.callback.training.GradientAccumulation`; they would both rescale "
+                         "and skip steps. Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` "
+                         "(or use `learn.accumulate(...)`, which replaces it)")
+    check_fsdp(learn.model)
+    if compiled_with_cuda_graphs(learn.model):
+        raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): their "
+                         "reused output buffers corrupt gradients accumulated over several backward passes (PyTorch "
+                         "issues 96693, 181723). Compile with `mode='default'` or `mode='max-autotune-no-cudagraphs'`")

@@ -25,7 +25,7 @@ from .check import _Runner, _device, _loader, _stream, copy_module, unwrap
 from .micro import micro_size, n_pieces
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
-from .guard import in_inference
+from .guard import in_inference, refuse_twins
 from .losses import loss_reduction
 from .schedule import whole_number
 
@@ -55,6 +55,7 @@ class GradientNoiseScale(Callback):
     A window of one micro-batch has nothing to compare and is not counted. BatchNorm in training couples the samples of
     a micro-batch and dropout adds noise of its own: both bias the estimate (docs/noise_scale.md)."""
     order,run_valid = GradientAccumulation.order+1,False   # the window's gradient is final (scaled by ours), not yet unscaled
+    one_per_learner = "(Each would log the same measurements.)"
 
     def __init__(self,
         beta:float=0.98, # moving-average weight of the last estimate is 1-beta (bias-corrected, as Adam's): ~50 windows
@@ -98,6 +99,7 @@ class GradientNoiseScale(Callback):
     # -- fit ----------------------------------------------------------------------------------------------------
     def before_fit(self):
         if in_inference(self.learn): return
+        refuse_twins(self.learn)
         self.ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
         if self.ga is None:
             raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "

@@ -56,6 +56,37 @@ def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_stil
     assert not learn.lock.locked()
     with learn.no_bar(), learn.no_logging(): assert len(learn.get_preds()[0]) == 8
 
+def _learner_state(learn):
+    "What a refused fit must leave as it was: the callbacks, and fastai's methods not wrapped by ours"
+    return sorted(type(c).__name__ for c in learn.cbs), sorted(k for k in ('one_batch', '_do_epoch', 'dl') if k in learn.__dict__)
+
+@pytest.mark.parametrize('twins', ['ga', 'micro', 'micro_auto_fastai', 'bn', 'noise'])
+def test_two_of_our_callbacks_are_refused_before_anything_is_set_up(twins):
+    """Two `GradientAccumulation`s (each would skip steps and rescale), two `MicroBatching`s (one added by `micro_bs`),
+    two `BatchNormAccumulation`s or `GradientNoiseScale`s: refused at fit start naming the class and how to remove one;
+    and, like fastai's own GradientAccumulation beside ours, before any of ours set anything up (MicroBatching, which
+    runs first, cut the loader before GradientAccumulation refused). Without the twin the same Learner trains as one
+    set up once."""
+    from accum_callback import BatchNormAccumulation, GradientNoiseScale, MicroBatching
+    ga = lambda: GradientAccumulation(n_step=2, micro_bs='auto' if twins == 'micro_auto_fastai' else 2)
+    extra = dict(ga=GradientAccumulation(n_step=3), micro=MicroBatching(4), micro_auto_fastai=FastaiGA(8),
+                 bn=BatchNormAccumulation('freeze'), noise=GradientNoiseScale())[twins]
+    base = {'bn': [BatchNormAccumulation('freeze')], 'noise': [GradientNoiseScale()]}.get(twins, [])
+    learn = make_learner(make_data(24), 8, cbs=[ga(), *base, extra])
+    before = _learner_state(learn)
+    name = 'fastai.callback.training.GradientAccumulation' if twins == 'micro_auto_fastai' else type(extra).__name__
+    with pytest.raises(ValueError, match=name) as e: fit_quiet(learn, 1)
+    assert _learner_state(learn) == before and not learn.lock.locked()
+    if twins != 'micro_auto_fastai': assert 'learn.remove_cb(learn.cbs[' in str(e.value)
+    with learn.no_bar(), learn.no_logging(): assert len(learn.get_preds()[0]) == 8
+    learn.remove_cb(extra)
+    ref = make_learner(make_data(24), 8, cbs=[ga(), *base] + ([type(extra)()] if twins in ('bn', 'noise') else []))
+    if twins in ('bn', 'noise'): ref.remove_cb(ref.cbs[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')   # BatchNormAccumulation on a model without BatchNorm says so
+        fit_quiet(learn, 1); fit_quiet(ref, 1)
+    assert rel_err(flat(learn.model.parameters()), flat(ref.model.parameters())) <= TOL
+
 # -- exactness ---------------------------------------------------------------------------------------------------
 def run_spy(n, bs, n_epoch=2, spy=None, ds=None, **kw):
     spy = spy or WindowSpy()

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, add_fit_guard, in_inference, remove_fit_guard
+from ..guard import CANCELS, add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_twins, remove_fit_guard
 from ..schedule import NotWholeNumber, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -39,6 +39,7 @@ class MicroBatching(Callback):
     inference piece that fitted (None: not cut); `trials`: items/s the probe measured per size; `piece`: the piece being
     run (`loader.Piece`, None outside a cut training loader)."""
     order,run_valid = MixedPrecision.order-5,True   # before GradientAccumulation (order-4): the ranks agree before it counts
+    one_per_learner = "`GradientAccumulation(micro_bs=...)` adds one: give the size there, or add `MicroBatching` yourself."
 
     def __init__(self,
         size:int|str='auto', # items a micro-batch, or 'auto': the fastest that fits
@@ -78,7 +79,9 @@ class MicroBatching(Callback):
         if in_inference(learn):   # `validate`, `get_preds`, `predict`, `tta`: cut a batch that runs out of memory
             self.inference.learn = learn
             return
+        refuse_twins(learn)   # (the first of ours in a fit: nothing is set up before these refusals)
         ga = next((cb for cb in learn.cbs if hasattr(cb, 'window_state') and hasattr(cb, 'restore_window')), None)
+        if ga is not None: refuse_accumulation_conflicts(learn)
         if ga is None:
             raise ValueError("MicroBatching cuts each loader batch into micro-batches; `accum_callback.GradientAccumulation` "
                              "must step once per loader batch of them: use `GradientAccumulation(micro_bs=...)`, which adds "
