@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .compat import foreach
 from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_sync, is_distributed, is_fsdp,
                           set_resharding, sum_over_ranks, world_size, zero_grads)
-from .guard import add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_twins, remove_fit_guard
+from .guard import add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard
 from .losses import loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs
 from .schedule import PARTIAL_MODES, WindowSchedule, flag, window_arguments
@@ -150,7 +150,7 @@ class GradientAccumulation(Callback):
         # fastai sends `before_fit`/`after_fit` around `validate`, `get_preds`, `predict` and `tta` too, holding the
         # Learner's lock: nothing to do there, and a raise would leave the lock held (every later validate hangs)
         if in_inference(self.learn): return
-        refuse_twins(self.learn); refuse_accumulation_conflicts(self.learn)   # (before anything is set up)
+        refuse_at_fit_start(self.learn)   # (ours and the other callbacks of ours: before anything is set up)
         self._new_fit = True   # the logs of the last fit are reset at its first training batch: they survive a `validate()`
         self.window.reset(); self.window.start_micro()
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
@@ -163,6 +163,8 @@ class GradientAccumulation(Callback):
                           f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
                           "gradient of its window", stacklevel=2)
             self._warned_divide = True
+
+    def refuse_fit(self): "What this fit is refused for (`guard.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn)
 
     def after_fit(self):
         if in_inference(self.learn): return

@@ -15,7 +15,7 @@ from .compat import foreach, module_dicts
 from .micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
-from .guard import CANCELS, add_fit_guard, in_inference, refuse_twins, remove_fit_guard
+from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
 from .schedule import whole_number
@@ -314,24 +314,12 @@ class BatchNormAccumulation(Callback):
         # `validate`/`get_preds`/`predict` send `before_fit` too, holding the Learner's lock: no conversion, no hooks and
         # no raise there (a raise would leave the lock held); everything happens when training starts
         if in_inference(self.learn): return
-        refuse_twins(self.learn)
+        refuse_at_fit_start(self.learn)   # (ours and the other callbacks of ours: before anything is set up)
         self._restore()   # whatever an interrupted fit left behind
         mode = MODES[self.mode]
         self.ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
-        if self.ga is None and mode.needs_windows:
-            other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)
-            raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "
-                             "`accum_callback.GradientAccumulation`, which is not in this fit" +
-                             (" (fastai's `fastai.callback.training.GradientAccumulation` is, and has no windows to read)" if other else "") +
-                             ": add `accum_callback.GradientAccumulation(n_step=...)` to the Learner's callbacks or to this "
-                             "`fit(cbs=...)`, or call `learn.accumulate(...)`")
         bns = [m for m in self.model.modules() if is_batchnorm(m)]
         if issubclass(mode, _Convert):
-            if bns and fsdp_modules(self.model):
-                raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}): the model is sharded with FSDP2, whose "
-                                 "parameter groups a conversion would break. Convert before sharding: `learn.to_fsdp()` "
-                                 f"does it when this callback is on the Learner, or call `{'bn_to_groupnorm' if self.mode == 'groupnorm' else 'bn_to_batchrenorm'}"
-                                 "(model)` before `fully_shard`")
             if bns: mode(self).start(bns)
             elif not any(is_converted_norm(m) for m in self.model.modules()): self._warn_none()
             self._tag_norm_params()
@@ -344,6 +332,22 @@ class BatchNormAccumulation(Callback):
             self.mb = micro_batching(self.learn)
             if self.mb is not None: self.mb.on_undo(self._micro_undone)
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
+
+    def refuse_fit(self):
+        "What this fit is refused for (`guard.refuse_at_fit_start`): no windows to read, a conversion of a sharded model"
+        mode = MODES[self.mode]
+        if mode.needs_windows and not any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
+            other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)
+            raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "
+                             "`accum_callback.GradientAccumulation`, which is not in this fit" +
+                             (" (fastai's `fastai.callback.training.GradientAccumulation` is, and has no windows to read)" if other else "") +
+                             ": add `accum_callback.GradientAccumulation(n_step=...)` to the Learner's callbacks or to this "
+                             "`fit(cbs=...)`, or call `learn.accumulate(...)`")
+        if issubclass(mode, _Convert) and fsdp_modules(self.model) and any(is_batchnorm(m) for m in self.model.modules()):
+            raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}): the model is sharded with FSDP2, whose "
+                             "parameter groups a conversion would break. Convert before sharding: `learn.to_fsdp()` "
+                             f"does it when this callback is on the Learner, or call `{'bn_to_groupnorm' if self.mode == 'groupnorm' else 'bn_to_batchrenorm'}"
+                             "(model)` before `fully_shard`")
 
     def after_fit(self):
         if in_inference(self.learn): return

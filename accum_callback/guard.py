@@ -7,7 +7,8 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from .compat import compiled_with_cuda_graphs
 from .distributed import check_fsdp
 
-__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'refuse_twins', 'refuse_accumulation_conflicts']
+__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'refuse_twins', 'refuse_at_fit_start',
+           'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
@@ -60,6 +61,14 @@ def refuse_twins(learn):
             raise ValueError(f"This Learner has {len(idx)} `{c.__name__}` callbacks (`learn.cbs[{idx[0]}]` and `learn.cbs"
                              f"[{idx[1]}]`); it takes one. {c.one_per_learner} Remove the one you do not want: "
                              f"`learn.remove_cb(learn.cbs[{idx[-1]}])`")
+
+def refuse_at_fit_start(learn):
+    """Every refusal of every callback of ours on `learn` (twins, then each one's `refuse_fit()` in event order), made
+    by the first of them to see `before_fit`, before any of them sets anything up: a refused fit leaves the Learner as
+    it was (no cut loader, no wrapper, no hook), whichever of ours refuses"""
+    refuse_twins(learn)
+    for cb in learn.cbs.sorted('order'):
+        if _own_class(cb) is not None and hasattr(cb, 'refuse_fit'): cb.refuse_fit()
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

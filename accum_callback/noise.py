@@ -25,7 +25,7 @@ from .check import _Runner, _device, _loader, _stream, copy_module, unwrap
 from .micro import micro_size, n_pieces
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
-from .guard import in_inference, refuse_twins
+from .guard import in_inference, refuse_at_fit_start
 from .losses import loss_reduction
 from .schedule import whole_number
 
@@ -99,20 +99,24 @@ class GradientNoiseScale(Callback):
     # -- fit ----------------------------------------------------------------------------------------------------
     def before_fit(self):
         if in_inference(self.learn): return
-        refuse_twins(self.learn)
-        self.ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
-        if self.ga is None:
-            raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "
-                             "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
-        if self.ga.sharded_grads and is_fsdp(self.model):
-            raise ValueError("GradientNoiseScale under FSDP2 with `GradientAccumulation(sharded_grads=True)`: the first "
-                             "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
-                             "the default `sharded_grads=False`")
+        refuse_at_fit_start(self.learn)   # (ours and the other callbacks of ours: before anything is set up)
+        self.ga = next(cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation))
         self._reset()
         self.ga.on_window_close(self._closed)
         # a column of the Recorder for the fit (fastai's ValueMetric: the value at the end of each epoch's validation)
         self._metric = ValueMetric(self._epoch_value, 'noise_scale')
         self.learn.metrics = list(self.learn.metrics) + [self._metric]
+
+    def refuse_fit(self):
+        "What this fit is refused for (`guard.refuse_at_fit_start`): no windows to measure, gradients no rank holds whole"
+        ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
+        if ga is None:
+            raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "
+                             "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
+        if ga.sharded_grads and is_fsdp(self.model):
+            raise ValueError("GradientNoiseScale under FSDP2 with `GradientAccumulation(sharded_grads=True)`: the first "
+                             "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
+                             "the default `sharded_grads=False`")
 
     def after_fit(self):
         if in_inference(self.learn) or self.ga is None: return

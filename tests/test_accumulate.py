@@ -10,7 +10,7 @@ from fastai.learner import Learner
 from fastai.optimizer import Adam, SGD
 from torch.amp import GradScaler, autocast
 
-from accum_callback import GradientAccumulation
+from accum_callback import BatchNormAccumulation, GradientAccumulation, GradientNoiseScale, MicroBatching
 from helpers import (MLP, WindowSpy, expected_windows, fit_quiet, flat, grads_clean, make_data, make_dls, make_learner,
                      rel_err)
 
@@ -60,30 +60,48 @@ def _learner_state(learn):
     "What a refused fit must leave as it was: the callbacks, and fastai's methods not wrapped by ours"
     return sorted(type(c).__name__ for c in learn.cbs), sorted(k for k in ('one_batch', '_do_epoch', 'dl') if k in learn.__dict__)
 
-@pytest.mark.parametrize('twins', ['ga', 'micro', 'micro_auto_fastai', 'bn', 'noise'])
-def test_two_of_our_callbacks_are_refused_before_anything_is_set_up(twins):
-    """Two `GradientAccumulation`s (each would skip steps and rescale), two `MicroBatching`s (one added by `micro_bs`),
-    two `BatchNormAccumulation`s or `GradientNoiseScale`s: refused at fit start naming the class and how to remove one;
-    and, like fastai's own GradientAccumulation beside ours, before any of ours set anything up (MicroBatching, which
-    runs first, cut the loader before GradientAccumulation refused). Without the twin the same Learner trains as one
-    set up once."""
-    from accum_callback import BatchNormAccumulation, GradientNoiseScale, MicroBatching
-    ga = lambda: GradientAccumulation(n_step=2, micro_bs='auto' if twins == 'micro_auto_fastai' else 2)
-    extra = dict(ga=GradientAccumulation(n_step=3), micro=MicroBatching(4), micro_auto_fastai=FastaiGA(8),
-                 bn=BatchNormAccumulation('freeze'), noise=GradientNoiseScale())[twins]
-    base = {'bn': [BatchNormAccumulation('freeze')], 'noise': [GradientNoiseScale()]}.get(twins, [])
-    learn = make_learner(make_data(24), 8, cbs=[ga(), *base, extra])
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+# each case: (the callbacks that train, the one that makes the fit refused, the message, a model with BatchNorm)
+_REFUSED = {
+    'two GradientAccumulation':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: GradientAccumulation(n_step=3), 'GradientAccumulation` callbacks', False),
+    'two MicroBatching':           (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: MicroBatching(4), 'MicroBatching` callbacks', False),
+    'two BatchNormAccumulation':   (lambda: [GradientAccumulation(n_step=2, micro_bs=2), BatchNormAccumulation('freeze')], lambda: BatchNormAccumulation('pool'), 'BatchNormAccumulation` callbacks', True),
+    'two GradientNoiseScale':      (lambda: [GradientAccumulation(n_step=2, micro_bs=2), GradientNoiseScale()], lambda: GradientNoiseScale(), 'GradientNoiseScale` callbacks', False),
+    "fastai's beside 'auto'":      (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: FastaiGA(8), 'fastai.callback.training.GradientAccumulation', False),
+    'groupnorm on FSDP2':          (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: BatchNormAccumulation('groupnorm'), 'sharded with FSDP2', True),
+    'noise with sharded_grads':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2, sharded_grads=True)], lambda: GradientNoiseScale(), 'reduce-scattered at once', False),
+}
+
+@pytest.mark.parametrize('case', list(_REFUSED))
+def test_a_refused_fit_leaves_the_learner_as_it_was(case, monkeypatch):
+    """Every refusal of our callbacks is made before any of them sets anything up, whichever refuses: two of the same
+    callback (two `GradientAccumulation`s would each skip steps and rescale, a `MicroBatching` beside
+    `GradientAccumulation(micro_bs=...)` cuts twice), fastai's own GradientAccumulation beside ours, and the refusals of
+    callbacks that run after `MicroBatching` and `GradientAccumulation` (FSDP2 simulated: only the refusing callback's
+    view of the model is patched). Before, `MicroBatching` had cut the loader (and 'auto' wrapped `one_batch`) when a
+    later callback refused. After: the message names the class and what to do, the Learner is as it was, inference
+    works, and without the refusing callback it trains to the weights of a Learner set up without it (1e-6)."""
+    import accum_callback.batchnorm, accum_callback.noise
+    cbs,extra,match,bn = _REFUSED[case]
+    cbs,extra = cbs(),extra()
+    if case == 'groupnorm on FSDP2': monkeypatch.setattr(accum_callback.batchnorm, 'fsdp_modules', lambda m: [m])
+    if case == 'noise with sharded_grads': monkeypatch.setattr(accum_callback.noise, 'is_fsdp', lambda m: True)
+    model = (lambda: _bn_model()) if bn else (lambda: None)
+    learn = make_learner(make_data(24), 8, cbs=[*cbs, extra], model=model())
     before = _learner_state(learn)
-    name = 'fastai.callback.training.GradientAccumulation' if twins == 'micro_auto_fastai' else type(extra).__name__
-    with pytest.raises(ValueError, match=name) as e: fit_quiet(learn, 1)
+    with pytest.raises(ValueError, match=match) as e: fit_quiet(learn, 1)
     assert _learner_state(learn) == before and not learn.lock.locked()
-    if twins != 'micro_auto_fastai': assert 'learn.remove_cb(learn.cbs[' in str(e.value)
+    assert any(isinstance(m, nn.BatchNorm1d) for m in learn.model.modules()) == bn   # (nothing converted)
+    if 'callbacks' in match: assert 'learn.remove_cb(learn.cbs[' in str(e.value)
     with learn.no_bar(), learn.no_logging(): assert len(learn.get_preds()[0]) == 8
+    monkeypatch.undo()
     learn.remove_cb(extra)
-    ref = make_learner(make_data(24), 8, cbs=[ga(), *base] + ([type(extra)()] if twins in ('bn', 'noise') else []))
-    if twins in ('bn', 'noise'): ref.remove_cb(ref.cbs[-1])
+    ref = make_learner(make_data(24), 8, cbs=_REFUSED[case][0](), model=model())
     with warnings.catch_warnings():
-        warnings.simplefilter('ignore')   # BatchNormAccumulation on a model without BatchNorm says so
+        warnings.simplefilter('ignore')   # (the noise scale's first windows)
         fit_quiet(learn, 1); fit_quiet(ref, 1)
     assert rel_err(flat(learn.model.parameters()), flat(ref.model.parameters())) <= TOL
 

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_twins, remove_fit_guard
+from ..guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
 from ..schedule import NotWholeNumber, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -79,23 +79,10 @@ class MicroBatching(Callback):
         if in_inference(learn):   # `validate`, `get_preds`, `predict`, `tta`: cut a batch that runs out of memory
             self.inference.learn = learn
             return
-        refuse_twins(learn)   # (the first of ours in a fit: nothing is set up before these refusals)
-        ga = next((cb for cb in learn.cbs if hasattr(cb, 'window_state') and hasattr(cb, 'restore_window')), None)
-        if ga is not None: refuse_accumulation_conflicts(learn)
-        if ga is None:
-            raise ValueError("MicroBatching cuts each loader batch into micro-batches; `accum_callback.GradientAccumulation` "
-                             "must step once per loader batch of them: use `GradientAccumulation(micro_bs=...)`, which adds "
-                             "this callback")
-        model = learn.model
-        if self.auto and is_fsdp(model):
-            raise ValueError("GradientAccumulation(micro_bs='auto') under FSDP2: a rank that runs out of memory in the "
-                             "middle of a forward or backward leaves the others waiting in FSDP's all-gathers and "
-                             "reduce-scatters, so it cannot be undone and retried. Give `micro_bs` a number (every rank "
-                             "cuts its batches into the same number of pieces)")
-        ok,bad = stateful_modules(model)
-        if bad: refuse_stateful(bad, model)
+        refuse_at_fit_start(learn)   # (the first of ours in a fit: every refusal of ours before anything is set up)
+        ga = self._window()
         self.rows.unwatch()
-        self.rows = RowStates(ok)
+        self.rows = RowStates(stateful_modules(learn.model)[0])
         self.rows.watch()   # a reset while a batch is cut is respected
         self.inference.learn,self.inference.rows = learn,self.rows
         self.snapshot = Snapshot(learn, ga.window_state, ga.restore_window)
@@ -106,6 +93,25 @@ class MicroBatching(Callback):
             self._wrap_one_batch()
         if not any(isinstance(cb, CutLoader) for cb in learn.cbs): learn.add_cb(CutLoader(self))
         add_fit_guard(learn, 'micro_batching', lambda e: isinstance(e, CANCELS) or self._unhook())
+
+    def _window(self):
+        "The `GradientAccumulation` that steps once per loader batch (found by its interface: this package is below it)"
+        return next((cb for cb in self.learn.cbs if hasattr(cb, 'window_state') and hasattr(cb, 'restore_window')), None)
+
+    def refuse_fit(self):
+        "What this fit is refused for (`guard.refuse_at_fit_start`): no window to step, 'auto' under FSDP2, a stateful model we cannot cut"
+        if self._window() is None:
+            raise ValueError("MicroBatching cuts each loader batch into micro-batches; `accum_callback.GradientAccumulation` "
+                             "must step once per loader batch of them: use `GradientAccumulation(micro_bs=...)`, which adds "
+                             "this callback")
+        model = self.learn.model
+        if self.auto and is_fsdp(model):
+            raise ValueError("GradientAccumulation(micro_bs='auto') under FSDP2: a rank that runs out of memory in the "
+                             "middle of a forward or backward leaves the others waiting in FSDP's all-gathers and "
+                             "reduce-scatters, so it cannot be undone and retried. Give `micro_bs` a number (every rank "
+                             "cuts its batches into the same number of pieces)")
+        bad = stateful_modules(model)[1]
+        if bad: refuse_stateful(bad, model)
 
     def after_fit(self):
         if in_inference(self.learn): return self._unwrap_one_batch()   # (also after an error)
