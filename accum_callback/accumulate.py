@@ -15,7 +15,7 @@ from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_s
                           set_resharding, sum_over_ranks, world_size, zero_grads)
 from .guard import add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard
 from .losses import loss_reduction, micro_items
-from .micro import MicroBatching, check_micro_bs
+from .micro import MicroBatching, check_micro_bs, micro_batching
 from .schedule import PARTIAL_MODES, WindowSchedule, flag, window_arguments
 
 __all__ = ['GradientAccumulation', 'Window', 'PARTIAL_MODES']
@@ -143,7 +143,7 @@ class GradientAccumulation(Callback):
     def restore_window(self, state:dict):
         for k,v in state.items(): setattr(self.window, k, v)
     def _micro(self)->MicroBatching|None:
-        return next((cb for cb in self.learn.cbs if isinstance(cb, MicroBatching)), None) if self.learn is not None else None
+        return micro_batching(self.learn) if self.learn is not None else None
 
     # -- fit ----------------------------------------------------------------------------------------------------
     def before_fit(self):

@@ -19,8 +19,8 @@ from .batchnorm import BatchNormAccumulation
 from .compat import BatchNormBase
 from .distributed import is_fsdp, unwrap
 from .losses import loss_reduction, micro_items
-from .micro import (MicroBatching, RowStates, cat_outputs, copy_module, halved, is_out_of_memory, n_pieces, piece_bounds,
-                    slice_batch, stateful_modules)
+from .micro import (RowStates, cat_outputs, copy_module, halved, is_out_of_memory, n_pieces, piece_bounds,
+                    micro_batching, slice_batch, stateful_modules)
 from .norm_layers import is_batchnorm
 from .schedule import whole_number
 
@@ -392,7 +392,7 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     one batch of exactly those samples, and say why they differ (see `AccumulationReport`). Changes nothing."""
     ga = next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
     bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
-    mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
+    mb = micro_batching(learn)
     size,note = (mb.size if mb is not None else None),''
     if n_step is None:
         n_step = 4

@@ -10,7 +10,7 @@ E|g_b|^2 = |G|^2 + tr(S)/b for any b, so from the two sizes:
 each unbiased; the ratio of their moving averages is B_simple = tr(S)/|G|^2, which predicts the critical batch size.
 Two fused norm reductions a window, no extra backward, no copy of the gradients."""
 from __future__ import annotations
-import math, random
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,12 +21,15 @@ from fastai.learner import Learner, ValueMetric
 from fastcore.basics import patch
 
 from .accumulate import GradientAccumulation
+from .batchnorm import BatchNormAccumulation
 from .check import _Runner, _device, _loader, _stream, copy_module, unwrap
 from .micro import micro_size, n_pieces
+from .micro.loader import batch_sizes
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
 from .guard import in_inference, refuse_at_fit_start
 from .losses import loss_reduction
+from .precise import rngs_kept
 from .schedule import whole_number
 
 __all__ = ['GradientNoiseScale', 'NoiseScaleSchedule', 'NoiseScaleReport', 'noise_estimates']
@@ -261,14 +264,11 @@ def noise_scale(self:Learner,
     if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)   # B - b large: a steadier |G|^2
     n_step = whole_number(n_step, 'n_step', lo=2)
     if is_fsdp(self.model): raise ValueError("noise_scale: the model is sharded with FSDP2; measure before sharding it")
-    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             random.getstate(), np.random.get_state())
-    try:
+    with rngs_kept():
         size = micro_size(self)
         dl = _loader(self, shuffle=True, seed=seed)
-        per_epoch = sum(n_pieces(n, size) if size else 1 for n in _batch_sizes(dl))
+        per_epoch = sum(n_pieces(n, size) if size else 1 for n in batch_sizes(dl))
         stream = _stream(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
-        from .batchnorm import BatchNormAccumulation
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
         model = unwrap(self.model)
         if bna is not None and bna.converts: model = bna.convert(copy_module(model))
@@ -278,10 +278,6 @@ def noise_scale(self:Learner,
             if r is None: r = _Runner(self, list(bs), model, ga, bna, list(where), dl)
             else: r.load(list(bs), list(where))
             per.append(_window_norms(r, list(range(n_step))))
-    finally:
-        torch.set_rng_state(saved[0])
-        if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
-        random.setstate(saved[2]); np.random.set_state(saved[3])
     g2 = np.array([p['g2'] for p in per]); tr = np.array([p['trace'] for p in per])
     est = _ratio(g2, tr)
     rng = np.random.default_rng(seed)
@@ -291,12 +287,6 @@ def noise_scale(self:Learner,
     target = max(1, round(est)) if math.isfinite(est) else int(B)
     return NoiseScaleReport(b_simple=est, interval=(boots[25], boots[974]), g2=float(g2.mean()), trace=float(tr.mean()),
                             b=b, B=B, n_windows=n_windows, target_bs=target, n_step=max(1, math.ceil(target/bs)), per_window=per)
-
-def _batch_sizes(dl)->list:
-    "The loader's batch sizes in an epoch (fastai's `n`, `bs`, `drop_last`)"
-    n,bs = getattr(dl, 'n', None),getattr(dl, 'bs', None)
-    if n is None or not bs: return [bs or 1]*len(dl)
-    return [min(bs, n - i*bs) for i in range(len(dl))]
 
 def _window_norms(r:_Runner, idxs:list)->dict:
     """One window of the check's copy, micro-batch by micro-batch as training runs it: the mean of the micro-batches'

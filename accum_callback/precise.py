@@ -18,7 +18,7 @@ from fastcore.basics import patch
 from .compat import BatchNormBase
 from .distributed import is_distributed
 
-__all__ = ['PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'training_items', 'BatchNormReport']
+__all__ = ['rngs_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'training_items', 'BatchNormReport']
 
 class PopulationStats:
     """One layer's inputs over many micro-batches, per channel: items `n`, sum and sum of squares (float64), from each
@@ -51,7 +51,7 @@ class _Stats(dict):
     n_items = 0
 
 @contextlib.contextmanager
-def _rngs_kept():
+def rngs_kept():
     "Every RNG (torch's CPU and CUDA, Python's, numpy's) as it was, after the block"
     saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              random.getstate(), np.random.get_state())
@@ -85,7 +85,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
         return bn.register_forward_pre_hook(pre)
     handles = [hook(bn) for bn in bns]
     try:
-        with _rngs_kept():
+        with rngs_kept():
             model.eval()
             for bn in bns: bn.train()
             for xb in batches:
@@ -210,4 +210,4 @@ def check_batchnorm(self:Learner,
     """How far are the BatchNorm layers' running statistics from those of the current weights, and does it matter?
     Recomputes them on a copy of the model (`precise_bn_stats`) and validates both ways; changes nothing (RNGs included:
     fastai's validation draws from torch's)"""
-    with _rngs_kept(): return _check_batchnorm(self, n_items)
+    with rngs_kept(): return _check_batchnorm(self, n_items)

@@ -12,7 +12,7 @@ from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
 from ..guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
-from ..schedule import NotWholeNumber, whole_number
+from ..schedule import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
 from .pieces import first_line, halved, is_out_of_memory, n_pieces
@@ -46,8 +46,7 @@ class MicroBatching(Callback):
         probe:bool=True, # 'auto' on a GPU: once settled, time the next smaller size too and keep the faster
     ):
         self.mode = check_micro_bs(size, 'size')
-        if not isinstance(probe, bool): raise TypeError(f"`probe` must be True or False, got {probe!r}")
-        self.probe_on,self.size = probe,(self.mode if isinstance(self.mode, Integral) else None)
+        self.probe_on,self.size = flag(probe, 'probe'),(self.mode if isinstance(self.mode, Integral) else None)
         self.trials,self.loader,self.rows,self.inference,self.snapshot = {},None,RowStates([]),InferenceCutter(),None
         self._probe,self._serial,self._sync_bn_checked,self.agreed = None,0,False,False
 

@@ -9,7 +9,13 @@ from fastai.torch_core import find_bs
 from ..distributed import is_distributed
 from .pieces import n_pieces, next_piece, slice_batch
 
-__all__ = ['Piece', 'MicroBatches', 'CutLoader']
+__all__ = ['Piece', 'MicroBatches', 'CutLoader', 'batch_sizes']
+
+def batch_sizes(dl)->list:
+    "The loader's batch sizes in an epoch, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each"
+    n,bs,nb = getattr(dl, 'n', None),getattr(dl, 'bs', None),len(dl)
+    if n is None or not bs: return [bs or 1]*nb
+    return [min(bs, n - i*bs) for i in range(nb)]
 
 @dataclass
 class Piece:
@@ -34,18 +40,13 @@ class MicroBatches:
     def __getattr__(self, k):
         if k in ('dl', 'mb'): raise AttributeError(k)
         return getattr(self.dl, k)
-    def _sizes(self)->list:
-        "The loader's batch sizes, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each"
-        n,bs,nb = getattr(self.dl, 'n', None),self.dl.bs,len(self.dl)
-        if n is None or not bs: return [bs or 1]*nb
-        return [min(bs, n - i*bs) for i in range(nb)]
     def __len__(self)->int:
         "Micro-batches this epoch at the size in force (fastai's `n_iter` and progress bar read it)"
         m = self.mb.size
-        return sum(n_pieces(b, m) for b in self._sizes()) if m else len(self.dl)
+        return sum(n_pieces(b, m) for b in batch_sizes(self.dl)) if m else len(self.dl)
     def pieces_left(self)->int:
         "Micro-batches still to run this epoch at the size in force, the one being (re)run included"
-        m,sizes,p = self.mb.size,self._sizes(),self.piece
+        m,sizes,p = self.mb.size,batch_sizes(self.dl),self.piece
         rest = sum(n_pieces(b, m) for b in sizes[self.batch_index+1:]) if m else len(sizes)-self.batch_index-1
         if self.batch_index < 0: return rest
         k,s,nom = 0,p.start,self._nom
