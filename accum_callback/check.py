@@ -19,7 +19,8 @@ from .batchnorm import BatchNormAccumulation
 from .compat import BatchNormBase
 from .distributed import is_fsdp, unwrap
 from .losses import loss_reduction, micro_items
-from .micro import (RowStates, cat_outputs, copy_module, halved, is_out_of_memory, n_pieces, piece_bounds,
+from .micro.loader import loader_pieces, model_device, own_loader
+from .micro import (RowStates, cat_outputs, copy_module, halved, is_out_of_memory, n_pieces,
                     micro_batching, slice_batch, stateful_modules)
 from .norm_layers import is_batchnorm
 from .schedule import whole_number
@@ -92,29 +93,12 @@ def _micro_batches(learn, n_step:int, size, shuffle:bool=False, seed:int=0)->tup
     """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, where
     each comes from: `(rows start, rows end, loader batch size)`, and that loader"""
     out,where = [],[]
-    for b,w in _stream(learn, size):
+    for b,w in loader_pieces(learn, size):
         out.append(b); where.append(w)
-        if len(out) == n_step: return out,where,_loader(learn)
+        if len(out) == n_step: return out,where,own_loader(learn)
     raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
                      "pass a smaller n_step")
 
-def _loader(learn, shuffle:bool=False, seed:int=0):
-    "The training loader in its own order (or shuffled from `seed`, dropping an incomplete last batch, as training does)"
-    dl = learn.dls.train.new(shuffle=shuffle, drop_last=shuffle) if hasattr(learn.dls.train, 'new') else learn.dls.train
-    if shuffle and hasattr(dl, 'rng'): dl.rng = random.Random(seed)   # fastai's loaders shuffle with their own `rng`
-    return dl
-
-def _stream(learn, size, shuffle:bool=False, seed:int=0, epochs:int=1):
-    "Yield `(micro-batch, (rows start, rows end, loader batch size))` on the model's device, over `epochs` passes"
-    dl = _loader(learn, shuffle, seed)
-    for _ in range(epochs):
-        for b in dl:
-            b = to_device(b, _device(learn.model))
-            n = find_bs(b)
-            for s,e in (piece_bounds(n, size) if size else [(0, n)]):
-                yield (b if (s, e) == (0, n) else slice_batch(b, s, e)),(s, e, n)
-
-def _device(model): return next(iter(model.parameters()), torch.empty(0)).device
 
 def _replayed(learn)->list:
     """The Learner's callbacks that shape what the loss sees in a training step (`after_pred`: fastai's RNNCallback keeps
@@ -158,7 +142,7 @@ class _View:
     def __getattr__(self, k): return getattr(self.__dict__['_learn'], k)
 
 # -- the experiments ---------------------------------------------------------------------------------------------------------
-class _Runner:
+class Runner:
     """Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches.
 
     Micro-batches are addressed by index into `batches`; `where[i]` says where micro-batch i comes from. Two sets of them
@@ -227,10 +211,10 @@ class _Runner:
             if isinstance(mod, BatchNormBase): mod.train(bn and not frozen)   # BatchNorm, SyncBatchNorm, Batch Renorm
 
     def _ctx(self, m):
-        dev = _device(m).type
+        dev = model_device(m).type
         return torch.autocast(dev, dtype=self.autocast) if self.autocast is not None else torch.autocast(dev, enabled=False)
 
-    def _forward(self, m, xb, yb):
+    def forward(self, m, xb, yb):
         """(prediction, loss) as the Learner's training step computes them: the model's output through the callbacks'
         `after_pred`, the loss through their `after_loss` (see `_replayed`)"""
         lf = self.learn.loss_func
@@ -273,9 +257,9 @@ class _Runner:
                              "whole loader batches")
         n = sum(e-s for s,e,_ in (self.where[i] for i in idxs))
         b = next(iter(self.dl.new(bs=n, shuffle=False, drop_last=False)))   # (its order: the loader's own, unshuffled)
-        return _split_xy(self.learn, to_device(b, _device(self.model0)))
+        return _split_xy(self.learn, to_device(b, model_device(self.model0)))
 
-    def _pieces(self, m, idxs):
+    def pieces(self, m, idxs):
         "Yield the micro-batches `idxs` as `(xb, yb)`; a model with per-row state starts each piece from its own rows"
         rows = RowStates(stateful_modules(m)[0] if (self.cut_rows or self.stateful) else [])
         for i in idxs:
@@ -289,7 +273,7 @@ class _Runner:
                 rows.leave(s, e)
                 if e == n: rows.end()
 
-    def _count(self, xb, yb, pred, loss)->float:
+    def count(self, xb, yb, pred, loss)->float:
         "Items the micro-batch's mean loss averages over (as the Learner's `GradientAccumulation` counts them), a float"
         view = _View(self.learn, xb=xb, yb=yb, pred=pred, loss=loss)
         return float(micro_items(view, getattr(self.ga, 'n_items', None), find_bs(yb if len(yb) else xb)))
@@ -302,9 +286,9 @@ class _Runner:
         summed = loss_reduction(lf) == 'sum'
         if accumulate:
             items,ref = 0.,None
-            for xb,yb in self._pieces(m, self.window):
-                pred,loss = self._forward(m, xb, yb)
-                n = self._count(xb, yb, pred, loss)
+            for xb,yb in self.pieces(m, self.window):
+                pred,loss = self.forward(m, xb, yb)
+                n = self.count(xb, yb, pred, loss)
                 if ref is None: ref = max(n, 1.)
                 finite = finite and bool(torch.isfinite(loss).all())
                 (loss if summed else loss*(n/ref)).backward()
@@ -312,7 +296,7 @@ class _Runner:
             scale = 1. if summed else ref/items
         else:
             xb,yb = self.joined(self.window)
-            _,loss = self._forward(m, xb, yb)
+            _,loss = self.forward(m, xb, yb)
             finite = bool(torch.isfinite(loss).all())
             loss.backward(); scale = 1.
         ps = [(n, p) for n,p in m.named_parameters() if p.requires_grad]
@@ -327,7 +311,7 @@ class _Runner:
         micro-batches `idxs` run one after the other and of one batch of them"""
         whole = self.whole(idxs, bn, drop)
         m = self.fresh(); self.modes(m, bn, drop)
-        with self._ctx(m): preds = [self._seen(m(*xb), xb, yb) for xb,yb in self._pieces(m, idxs)]
+        with self._ctx(m): preds = [self._seen(m(*xb), xb, yb) for xb,yb in self.pieces(m, idxs)]
         if keep: self.quiet_preds = preds
         return _rel(_flat_out(cat_outputs(preds)), _flat_out(whole))
 
@@ -347,7 +331,7 @@ class _Runner:
         big = float(lf(cat_outputs(self.quiet_preds), *yb_all))   # the same predictions, as one batch
         ls,ns = [],[]
         for p,(xb,yb) in zip(self.quiet_preds, bs):
-            ls.append(float(lf(p, *yb))); ns.append(self._count(xb, yb, p, None))
+            ls.append(float(lf(p, *yb))); ns.append(self.count(xb, yb, p, None))
         if loss_reduction(lf) == 'sum': mean = sum(ls)
         else: mean = sum(l*n for l,n in zip(ls, ns) if n > 0)/max(sum(ns), 1e-30)
         d = max(abs(big), 1e-30)
@@ -427,7 +411,7 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
         random.setstate(saved[2]); np.random.set_state(saved[3])
 
 def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->AccumulationReport:
-    r = _Runner(learn, batches, model, ga, bna, where, dl)
+    r = Runner(learn, batches, model, ga, bna, where, dl)
     tol = _TOL.get(r.dtype, 1e-5)
     sizes = [find_bs(b) for b in batches]
     acc,fa = r.grads(True)

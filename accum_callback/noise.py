@@ -22,9 +22,9 @@ from fastcore.basics import patch
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
-from .check import _Runner, _device, _loader, _stream, copy_module, unwrap
+from .check import Runner, copy_module, unwrap
 from .micro import micro_size, n_pieces
-from .micro.loader import batch_sizes
+from .micro.loader import batch_sizes, loader_pieces, model_device, own_loader
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
 from .guard import in_inference, refuse_at_fit_start
@@ -138,7 +138,7 @@ class GradientNoiseScale(Callback):
                  else [p.grad for p in self.model.parameters()])
         n = torch.as_tensor(w.n, dtype=torch.float64)
         # the backward loss was the micro-batch's mean times n/ref (a sum: the sum itself); its mean gradient is this /(n/ref)
-        k = (1./n if w.summed else torch.as_tensor(w.ref, dtype=torch.float64)/n).to(_device(self.model))
+        k = (1./n if w.summed else torch.as_tensor(w.ref, dtype=torch.float64)/n).to(model_device(self.model))
         self._first = (_sq_norm(grads)*k.square(), n)
 
     def before_step(self):
@@ -266,16 +266,16 @@ def noise_scale(self:Learner,
     if is_fsdp(self.model): raise ValueError("noise_scale: the model is sharded with FSDP2; measure before sharding it")
     with rngs_kept():
         size = micro_size(self)
-        dl = _loader(self, shuffle=True, seed=seed)
+        dl = own_loader(self, shuffle=True, seed=seed)
         per_epoch = sum(n_pieces(n, size) if size else 1 for n in batch_sizes(dl))
-        stream = _stream(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
+        stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
         model = unwrap(self.model)
         if bna is not None and bna.converts: model = bna.convert(copy_module(model))
         r,per = None,[]
         for _ in range(n_windows):   # one window in memory at a time
             bs,where = zip(*[next(stream) for _ in range(n_step)])
-            if r is None: r = _Runner(self, list(bs), model, ga, bna, list(where), dl)
+            if r is None: r = Runner(self, list(bs), model, ga, bna, list(where), dl)
             else: r.load(list(bs), list(where))
             per.append(_window_norms(r, list(range(n_step))))
     g2 = np.array([p['g2'] for p in per]); tr = np.array([p['trace'] for p in per])
@@ -288,17 +288,17 @@ def noise_scale(self:Learner,
     return NoiseScaleReport(b_simple=est, interval=(boots[25], boots[974]), g2=float(g2.mean()), trace=float(tr.mean()),
                             b=b, B=B, n_windows=n_windows, target_bs=target, n_step=max(1, math.ceil(target/bs)), per_window=per)
 
-def _window_norms(r:_Runner, idxs:list)->dict:
+def _window_norms(r:Runner, idxs:list)->dict:
     """One window of the check's copy, micro-batch by micro-batch as training runs it: the mean of the micro-batches'
     squared mean-gradient norms, the squared norm of the window's mean gradient, and the estimates from them"""
     m = r.fresh(); r.modes(m, True, True)
     ps = [p for p in m.parameters() if p.requires_grad]
     acc,items,small,inv_b = None,0.,[],[]
     summed = loss_reduction(r.learn.loss_func) == 'sum'
-    for xb,yb in r._pieces(m, idxs):
+    for xb,yb in r.pieces(m, idxs):
         for p in ps: p.grad = None
-        pred,loss = r._forward(m, xb, yb)
-        n = r._count(xb, yb, pred, loss)
+        pred,loss = r.forward(m, xb, yb)
+        n = r.count(xb, yb, pred, loss)
         loss.backward()
         g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
         k = 1/n if summed else 1.   # the mean gradient of the micro-batch

@@ -17,6 +17,7 @@ from fastcore.basics import patch
 
 from .compat import BatchNormBase
 from .distributed import is_distributed
+from .micro.loader import loader_pieces
 
 __all__ = ['rngs_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'training_items', 'BatchNormReport']
 
@@ -121,23 +122,11 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0):
     order of their own (shuffled from `seed`; the training loader and its RNG are not touched), cut into pieces of at
     most `size` items where given (the Learner's micro-batches), up to the first piece that reaches `n`. Under DDP every
     rank takes its own shard of the loader and as many pieces"""
-    from fastai.torch_core import find_bs, to_device
-    from .micro import piece_bounds, slice_batch
-    dl = learn.dls.train
-    try: dl = dl.new(shuffle=True, drop_last=False)
-    except Exception: pass   # a loader of ready-made batches: its own order
-    if hasattr(dl, 'rng'): dl.rng = random.Random(seed)
-    dev = next(iter(learn.model.parameters())).device
-    n_inp = getattr(learn.dls, 'n_inp', 1)
-    seen = 0
-    for b in dl:
-        b = to_device(b, dev)
-        xb = tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
-        m = find_bs(xb)
-        for s,e in (piece_bounds(m, size) if size else [(0, m)]):
-            yield xb if (s, e) == (0, m) else slice_batch(xb, s, e)
-            seen += e - s
-            if seen >= n: return
+    n_inp,seen = getattr(learn.dls, 'n_inp', 1),0
+    for b,(s,e,_) in loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False):
+        yield tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
+        seen += e - s
+        if seen >= n: return
 
 # -- learn.check_batchnorm(): how stale are the running statistics? ----------------------------------------------------
 

@@ -1,21 +1,49 @@
 """The training loader, cut: each loader batch into near-equal micro-batches (`piece_bounds`'s rule), read by fastai's loop
 in place of `learn.dl`; and `Piece`, what `GradientAccumulation` reads of the piece being run."""
 from __future__ import annotations
+import copy, random
 from dataclasses import dataclass
 
+import torch
 from fastai.callback.core import Callback
-from fastai.torch_core import find_bs
+from fastai.torch_core import find_bs, to_device
 
 from ..distributed import is_distributed
-from .pieces import n_pieces, next_piece, slice_batch
+from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
-__all__ = ['Piece', 'MicroBatches', 'CutLoader', 'batch_sizes']
+__all__ = ['Piece', 'MicroBatches', 'CutLoader', 'batch_sizes', 'model_device', 'own_loader', 'loader_pieces']
 
 def batch_sizes(dl)->list:
     "The loader's batch sizes in an epoch, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each"
     n,bs,nb = getattr(dl, 'n', None),getattr(dl, 'bs', None),len(dl)
     if n is None or not bs: return [bs or 1]*nb
     return [min(bs, n - i*bs) for i in range(nb)]
+
+def model_device(model)->torch.device: "Where `model`'s parameters are (the CPU for a model without any)"; return next(iter(model.parameters()), torch.empty(0)).device
+
+def own_loader(learn, shuffle:bool=False, seed:int=0, drop_last:bool|None=None):
+    """A copy of the training loader in an order of its own, for the check, the noise scale and the recomputed BatchNorm
+    statistics: the loader's order, or shuffled from `seed` (dropping an incomplete last batch as training does, unless
+    `drop_last`); the Learner's loader and its RNG are not touched. A loader of ready-made batches (`bs=None`) has no
+    incomplete batch to drop; one that cannot copy itself is read in its own order, from a copy"""
+    dl = learn.dls.train
+    if not hasattr(dl, 'new'): return dl
+    drop = (shuffle if drop_last is None else drop_last) and bool(getattr(dl, 'bs', None))   # (fastai refuses it at bs=None)
+    try: dl = dl.new(shuffle=shuffle, drop_last=drop)
+    except Exception: dl = copy.copy(dl)
+    if hasattr(dl, 'rng'): dl.rng = random.Random(seed)   # fastai's loaders draw their order (and a new `rng`) from it
+    return dl
+
+def loader_pieces(learn, size:int|None, shuffle:bool=False, seed:int=0, epochs:int=1, drop_last:bool|None=None):
+    """Yield `(micro-batch, (rows start, rows end, loader batch size))` of `own_loader`'s batches on the model's device,
+    each cut into the pieces `micro_bs=size` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes"""
+    dl = own_loader(learn, shuffle, seed, drop_last)
+    for _ in range(epochs):
+        for b in dl:
+            b = to_device(b, model_device(learn.model))
+            n = find_bs(b)
+            for s,e in (piece_bounds(n, size) if size else [(0, n)]):
+                yield (b if (s, e) == (0, n) else slice_batch(b, s, e)),(s, e, n)
 
 @dataclass
 class Piece:
