@@ -5,13 +5,16 @@ computed (`torch.func.vmap(grad)`), hence the true |G|^2, tr(S) and B_simple = t
 The model is linear with a loss linear in its output, so each sample's gradient is its own input (Gaussian, 256 numbers):
 the estimator's spread is then the least a data set gives, and 128 windows bring it within 10% (seen: 1-5%; its standard
 deviation over seeds, simulated: 1-2%, the largest of 12 seeds 5%). `learn.noise_scale()` changes nothing on the Learner."""
-import math, random
+import copy, math, random
 import numpy as np, pytest, torch, torch.nn as nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback
+from fastai.optimizer import SGD
+from functools import partial
 
-from accum_callback import GradientAccumulation, GradientNoiseScale, NoiseScaleSchedule, BatchNormAccumulation, noise_estimates
+from accum_callback import GradientAccumulation, GradientNoiseScale, NoiseScaleSchedule, noise_estimates
+from accum_callback.compat import tree_flatten
 from accum_callback.testing import launch_gloo
 from helpers import fit_quiet, make_learner
 
@@ -137,13 +140,17 @@ def test_the_schedule_follows_the_measurements_exactly(unit, values):
 def test_noise_scale_before_training_changes_nothing_and_finds_the_truth():
     ds = data()
     model = nn.Sequential(nn.Linear(D, 1, bias=False)).double()
-    learn = make_learner(ds, 8, cbs=[GradientAccumulation(n_step=8)], model=model, lr=0.1, dtype=F64, loss_func=linear_loss)
-    fit_quiet(learn, 1)   # an optimizer state, a trained model
-    w,opt = [p.detach().clone() for p in model.parameters()],{k: v for k,v in learn.opt.state_dict().items() if k != 'hypers'}
+    learn = make_learner(ds, 8, cbs=[GradientAccumulation(n_step=8)], model=model, lr=0.1, dtype=F64, loss_func=linear_loss,
+                         opt_func=partial(SGD, mom=0.9))
+    fit_quiet(learn, 1)   # an optimizer state (momentum), a trained model
+    opt_state = lambda: tree_flatten(copy.deepcopy({k: v for k,v in learn.opt.state_dict().items() if k != 'hypers'}))[0]
+    w,opt = [p.detach().clone() for p in model.parameters()],opt_state()
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     r = learn.noise_scale(n_windows=64)
     assert all(torch.equal(a, p) for a,p in zip(w, model.parameters())) and all(p.grad is None or not p.grad.any() for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1] and (np.random.get_state()[1] == rng[2]).all()
+    after = opt_state()
+    assert len(opt) == len(after) > 0 and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a,b in zip(opt, after))
     want = truth(model, ds)
     assert abs(r.b_simple/want - 1) <= TOL and r.interval[0] <= r.b_simple <= r.interval[1], (r, want)
     assert r.b == 8 and r.B == 64 and r.target_bs == round(r.b_simple) and r.n_step == math.ceil(r.target_bs/8)
@@ -180,3 +187,29 @@ def test_under_ddp_and_fsdp2_every_rank_measures_the_same_global_estimate():
         assert set(a['B']) == {128.} and set(a['b']) == {8.}
         est = np.mean(a['trace'])/np.mean(a['g2'])
         assert abs(est/want - 1) <= TOL, (kind, est, want)
+
+def test_a_loader_of_ready_made_batches_is_read_from_copies_and_left_untouched():
+    """A loader of ready-made batches (`bs=None`) cannot copy itself with `drop_last` (fastai asserts), which the
+    noise scale's shuffled order asked: `learn.noise_scale()` raised on it. There is no incomplete batch to drop: the
+    noise scale, the check and the recomputed BatchNorm statistics read copies of it, and none replaces or advances the
+    Learner's loader's RNG (which fastai's loader draws from at every pass)"""
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.learner import Learner
+    from accum_callback import update_bn_stats
+    from accum_callback.precise import training_items
+    x,y = data(48, 8).tensors
+    batches = [(x[i:i+8], y[i:i+8]) for i in range(0, 48, 8)]
+    dls = DataLoaders(DataLoader(batches, bs=None), DataLoader(batches[:1], bs=None), device='cpu')
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
+    learn = Learner(dls, model, loss_func=linear_loss, cbs=[GradientAccumulation(n_step=2)])
+    rng = learn.dls.train.rng; state = rng.getstate()
+    rep = learn.noise_scale(n_windows=2, n_step=3)
+    assert rep.n_windows == 2 and rep.B == 24 and rep.b == 8
+    assert learn.check_accumulation().n_step == 2
+    seen = [xb[0] for xb in training_items(learn, 20)]   # up to the piece that reaches 20 items: 3 of the batches
+    assert len(seen) == 3 and all(sum(torch.equal(a, b) for b,_ in batches) == 1 for a in seen)
+    assert not any(torch.equal(seen[0], b) for b in seen[1:])
+    assert update_bn_stats(learn.model, training_items(learn, 48)) == 48
+    assert learn.dls.train.rng is rng and rng.getstate() == state
