@@ -13,7 +13,8 @@ from fastcore.basics import patch
 from .compat import foreach
 from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_sync, is_distributed, is_fsdp,
                           set_resharding, sum_over_ranks, world_size, zero_grads)
-from .guard import add_fit_guard, in_inference, refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard
+from .guard import (add_fit_guard, in_inference, one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start,
+                    remove_fit_guard)
 from .losses import loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
 from .schedule import PARTIAL_MODES, WindowSchedule, flag, window_arguments
@@ -61,13 +62,13 @@ class Window:
 
 _UNDO_FIELDS = tuple(k for k in Window.__slots__ if k not in ('n_units', 'unit_action', 'target'))   # put back by an undo
 
+@one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window"
     # Before `MixedPrecision` (10) and `GradientClip` (11) in `before_step`: the scaler unscales, checks and updates,
     # and clipping clips, once per window and on the finished window gradient. `_only_train_loop`: `learn.summary()`
     # runs its forward without us.
     order,run_valid,_only_train_loop = MixedPrecision.order-4,False,True
-    one_per_learner = "(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)"
 
     def __init__(self,
         n_step:int|dict|callable=None, # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
@@ -103,11 +104,7 @@ class GradientAccumulation(Callback):
         "Added to a Learner (fastai's `add_cb`) with `micro_bs`: add its `MicroBatching` too; removed: take it away"
         mb,old = self.__dict__.get('companion'),self.__dict__.get('_learn')
         if mb is not None and old is not None and learn is not old and mb in old.cbs: old.remove_cb(mb)
-        if mb is not None and learn is not None and mb not in learn.cbs:
-            if any(isinstance(cb, MicroBatching) for cb in learn.cbs):
-                raise ValueError("This Learner has a `MicroBatching` callback already: give `micro_bs` to "
-                                 "`GradientAccumulation` or add `MicroBatching` yourself, not both")
-            learn.add_cb(mb)
+        if mb is not None and learn is not None and mb not in learn.cbs: learn.add_cb(mb)   # (a second one: refused at fit start)
         self.__dict__['_learn'] = learn
     @property
     def sched(self)->WindowSchedule: return self.n_step_sched or self.target_bs_sched

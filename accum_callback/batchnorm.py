@@ -15,7 +15,7 @@ from .compat import foreach, module_dicts
 from .micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
-from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
+from .guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
 from .schedule import whole_number
@@ -266,6 +266,7 @@ MODES = dict(pool=Pool, momentum=Momentum, freeze=Freeze, groupnorm=GroupNorm, r
 assert tuple(MODES) == BN_MODES
 
 # -- the callback -----------------------------------------------------------------------------------------------------
+@one_per_learner("(Each would convert, freeze or pool the same layers.)")
 class BatchNormAccumulation(Callback):
     """Make BatchNorm behave under gradient accumulation. `mode` (one of `BN_MODES`):
     'pool': one running-statistics update per optimizer step, from the statistics pooled over every micro-batch of the
@@ -280,7 +281,6 @@ class BatchNormAccumulation(Callback):
     every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
     exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md)."""
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
-    one_per_learner = "(Each would convert, freeze or pool the same layers.)"
 
     def __init__(self,
         mode:str='pool', # one of `BN_MODES`

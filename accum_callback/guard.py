@@ -1,14 +1,18 @@
 """Fit bookkeeping shared by the callbacks: what a fit is refused for (checked before any of ours sets anything up),
 clean-up when an exception leaves `fit`, and telling a fit from inference"""
 from __future__ import annotations
+import re
+
 from fastai.callback.core import CancelEpochException, CancelFitException
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
+from fastai.learner import Learner
+from fastcore.basics import camel2snake
 
 from .compat import compiled_with_cuda_graphs
 from .distributed import check_fsdp
 
-__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'refuse_twins', 'refuse_at_fit_start',
-           'refuse_accumulation_conflicts']
+__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'one_per_learner', 'refuse_twins',
+           'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
@@ -46,13 +50,28 @@ def remove_fit_guard(learn, key):
     if not g.cleanups: del learn.__dict__['_do_epoch']
 
 # -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
+def one_per_learner(hint:str):
+    """Class decorator for our callbacks: a Learner holds one (`refuse_twins`; `hint` says how to add it once), and
+    `learn.<its name>` is read from `learn.cbs`. fastai's `add_cb` sets that attribute and `remove_cb` deletes it, so
+    with two callbacks of a name, removing either (the one a refused `fit(cbs=...)` added) took the other's too"""
+    def deco(cls):
+        cls.one_per_learner = hint
+        name = camel2snake(re.sub('Callback$', '', cls.__name__))   # fastai's `Callback.name`
+        def get(learn):
+            cb = next((c for c in learn.__dict__.get('cbs', ()) if c.name == name), None)
+            if cb is None: raise AttributeError(name)
+            return cb
+        setattr(Learner, name, property(get, lambda learn, cb: None, lambda learn: None))
+        return cls
+    return deco
+
 def _own_class(cb):
     "The class of ours that `cb` is (or subclasses) if it is one a Learner may hold once, else None"
     return next((c for c in type(cb).__mro__ if 'one_per_learner' in c.__dict__), None)
 
 def refuse_twins(learn):
     """A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and
-    rescale, two `MicroBatching`s cut twice). Classes take part with `one_per_learner = "how to add it once"`."""
+    rescale, two `MicroBatching`s cut twice). Classes take part with `@one_per_learner(hint)`."""
     seen = {}
     for i,cb in enumerate(learn.cbs):
         if (c := _own_class(cb)) is not None: seen.setdefault(c, []).append(i)

@@ -27,7 +27,7 @@ from .micro import micro_size, n_pieces
 from .micro.loader import batch_sizes, loader_pieces, model_device, own_loader
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
-from .guard import in_inference, refuse_at_fit_start
+from .guard import in_inference, one_per_learner, refuse_at_fit_start
 from .losses import loss_reduction
 from .precise import rngs_kept
 from .schedule import whole_number
@@ -48,6 +48,7 @@ def _sq_norm(ts:list)->torch.Tensor:
     if not ts: return torch.zeros((), dtype=torch.float64)
     return torch.stack([n.double() for n in foreach('norm')(ts)]).pow(2).sum()
 
+@one_per_learner("(Each would log the same measurements.)")
 class GradientNoiseScale(Callback):
     """Measure the gradient noise scale B_simple = tr(S)/|G|^2 at every optimizer step from what accumulation already
     has: the squared norm of the window's first micro-batch gradient and of the whole window's (unscaled from fp16's
@@ -58,7 +59,6 @@ class GradientNoiseScale(Callback):
     A window of one micro-batch has nothing to compare and is not counted. BatchNorm in training couples the samples of
     a micro-batch and dropout adds noise of its own: both bias the estimate (docs/noise_scale.md)."""
     order,run_valid = GradientAccumulation.order+1,False   # the window's gradient is final (scaled by ours), not yet unscaled
-    one_per_learner = "(Each would log the same measurements.)"
 
     def __init__(self,
         beta:float=0.98, # moving-average weight of the last estimate is 1-beta (bias-corrected, as Adam's): ~50 windows

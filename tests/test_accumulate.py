@@ -56,9 +56,11 @@ def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_stil
     assert not learn.lock.locked()
     with learn.no_bar(), learn.no_logging(): assert len(learn.get_preds()[0]) == 8
 
+_NAMES = ('gradient_accumulation', 'micro_batching', 'batch_norm_accumulation', 'gradient_noise_scale')
+
 def _learner_state(learn):
-    "What a refused fit must leave as it was: the callbacks, and fastai's methods not wrapped by ours"
-    return sorted(type(c).__name__ for c in learn.cbs), sorted(k for k in ('one_batch', '_do_epoch', 'dl') if k in learn.__dict__)
+    "What a refused fit must leave as it was: the callbacks, the attributes naming ours, fastai's methods not wrapped by ours"
+    return sorted(type(c).__name__ for c in learn.cbs), [id(getattr(learn, n, None)) for n in _NAMES], sorted(k for k in ('one_batch', '_do_epoch', 'dl') if k in learn.__dict__)
 
 def _bn_model():
     torch.manual_seed(0)
@@ -70,6 +72,7 @@ _REFUSED = {
     'two MicroBatching':           (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: MicroBatching(4), 'MicroBatching` callbacks', False),
     'two BatchNormAccumulation':   (lambda: [GradientAccumulation(n_step=2, micro_bs=2), BatchNormAccumulation('freeze')], lambda: BatchNormAccumulation('pool'), 'BatchNormAccumulation` callbacks', True),
     'two GradientNoiseScale':      (lambda: [GradientAccumulation(n_step=2, micro_bs=2), GradientNoiseScale()], lambda: GradientNoiseScale(), 'GradientNoiseScale` callbacks', False),
+    'MicroBatching, then micro_bs': (lambda: [MicroBatching(4), GradientAccumulation(n_step=2)], lambda: GradientAccumulation(n_step=2, micro_bs=2), 'MicroBatching` callbacks', False),
     "fastai's beside 'auto'":      (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: FastaiGA(8), 'fastai.callback.training.GradientAccumulation', False),
     'groupnorm on FSDP2':          (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: BatchNormAccumulation('groupnorm'), 'sharded with FSDP2', True),
     'noise with sharded_grads':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2, sharded_grads=True)], lambda: GradientNoiseScale(), 'reduce-scattered at once', False),
@@ -104,6 +107,18 @@ def test_a_refused_fit_leaves_the_learner_as_it_was(case, monkeypatch):
         warnings.simplefilter('ignore')   # (the noise scale's first windows)
         fit_quiet(learn, 1); fit_quiet(ref, 1)
     assert rel_err(flat(learn.model.parameters()), flat(ref.model.parameters())) <= TOL
+
+def test_a_refused_fit_with_callbacks_of_its_own_leaves_none_of_them():
+    """`fit(cbs=[..., GradientAccumulation(micro_bs=...)])` on a Learner with a `MicroBatching`: refused, and every
+    callback given to that fit is gone after it (the refusal used to come from adding the callback, half-way through
+    fastai's `added_cbs`, which left the callbacks before it on the Learner)"""
+    class Other(Callback): pass
+    learn = make_learner(make_data(24), 8, cbs=[MicroBatching(4), GradientAccumulation(n_step=2)])
+    before = _learner_state(learn)
+    with pytest.raises(ValueError, match='MicroBatching` callbacks'): fit_quiet(learn, 1, cbs=[Other(), GradientAccumulation(micro_bs=2)])
+    assert _learner_state(learn) == before
+    fit_quiet(learn, 1)
+    assert learn.micro_batching.size == 4 and learn.gradient_accumulation.window_sizes == [16, 8]   # 2 loader batches a window, then the partial
 
 # -- exactness ---------------------------------------------------------------------------------------------------
 def run_spy(n, bs, n_epoch=2, spy=None, ds=None, **kw):

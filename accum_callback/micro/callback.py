@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
+from ..guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from ..schedule import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -27,6 +27,7 @@ def check_micro_bs(micro_bs, name:str='micro_bs'):
     try: return whole_number(micro_bs, name)
     except NotWholeNumber: raise NotWholeNumber(f"`{name}` must be a whole number >= 1 or 'auto', got {micro_bs!r}") from None
 
+@one_per_learner("`GradientAccumulation(micro_bs=...)` adds one: give the size there, or add `MicroBatching` yourself.")
 class MicroBatching(Callback):
     """Cut every training batch into near-equal micro-batches of at most `size` items, or under `'auto'` of the largest
     size that fits (the loader's batch first, halved after each out-of-memory error, the same samples run again; on a
@@ -39,7 +40,6 @@ class MicroBatching(Callback):
     inference piece that fitted (None: not cut); `trials`: items/s the probe measured per size; `piece`: the piece being
     run (`loader.Piece`, None outside a cut training loader)."""
     order,run_valid = MixedPrecision.order-5,True   # before GradientAccumulation (order-4): the ranks agree before it counts
-    one_per_learner = "`GradientAccumulation(micro_bs=...)` adds one: give the size there, or add `MicroBatching` yourself."
 
     def __init__(self,
         size:int|str='auto', # items a micro-batch, or 'auto': the fastest that fits
