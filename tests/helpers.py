@@ -1,5 +1,6 @@
 "Small learners and a spy callback that checks every optimizer step against the one-large-batch gradient"
 import copy
+import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.data.core import DataLoaders
@@ -10,6 +11,12 @@ from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
 from accum_callback.testing import regression_data
+
+# FSDP2's `fully_shard` is public from torch 2.6; the oldest tier of the version matrix has 2.4 (setup.cfg's lower bound)
+import torch.distributed.fsdp as _fsdp_pkg
+HAS_FSDP2 = hasattr(_fsdp_pkg, 'fully_shard')
+needs_fsdp2 = pytest.mark.skipif(not HAS_FSDP2, reason=f'FSDP2 (torch.distributed.fsdp.fully_shard) is not in torch {torch.__version__}')
+DISTRIBUTED_KINDS = ('ddp', 'fsdp') if HAS_FSDP2 else ('ddp',)   # what a test on 2 gloo processes runs here
 
 make_data = regression_data   # `n` items of `n_in` features and a linear target (or `classify`: labels), float32
 

@@ -5,7 +5,7 @@ import importlib.util
 import pytest, torch
 
 import ddp_worker as W
-from helpers import rel_err
+from helpers import HAS_FSDP2, needs_fsdp2, rel_err
 from accum_callback.distributed import count_allreduces
 from accum_callback.testing import launch_gloo
 
@@ -64,9 +64,6 @@ SCENARIOS = dict(
     fsdp_root_only_blocks = dict(sizes=[32,32], ga=dict(n_step=4), fsdp=dict(root=False)),
 )
 HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
-import torch.distributed.fsdp as _fsdp_pkg
-HAS_FSDP2 = hasattr(_fsdp_pkg, 'fully_shard')   # public from torch 2.6; the oldest tier of the version matrix has 2.4
-needs_fsdp2 = pytest.mark.skipif(not HAS_FSDP2, reason=f'FSDP2 (torch.distributed.fsdp.fully_shard) is not in torch {torch.__version__}')
 
 @pytest.fixture(scope='module')
 def runs():
