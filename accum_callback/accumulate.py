@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .compat import foreach
 from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_sync, is_distributed, is_fsdp,
                           set_resharding, sum_over_ranks, world_size, zero_grads)
-from .guard import (add_fit_guard, in_inference, one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start,
+from .guard import (Listeners, add_fit_guard, in_inference, one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start,
                     remove_fit_guard)
 from .losses import loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
@@ -92,7 +92,7 @@ class GradientAccumulation(Callback):
         self.sharded_grads,self.gathered_params = flag(sharded_grads, 'sharded_grads'),flag(gathered_params, 'gathered_params')
         # `micro_bs`: the `MicroBatching` callback this one adds to its Learner (and takes away with it)
         self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
-        self.mb,self._decided,self._warned_divide,self._new_fit,self._listeners = None,0,False,False,[]
+        self.mb,self._decided,self._warned_divide,self._new_fit,self._listeners = None,0,False,False,Listeners()
         self.window = Window()
         self._reset_logs()
 
@@ -124,10 +124,8 @@ class GradientAccumulation(Callback):
     def closes(self)->bool: "Does the micro-batch being processed close its window (step or drop)?"; return self.window.action is not None
     def on_window_close(self, fn):
         "Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients zeroed"
-        if fn not in self._listeners: self._listeners.append(fn)
-        return fn
-    def remove_window_listener(self, fn):
-        if fn in self._listeners: self._listeners.remove(fn)
+        return self._listeners.add(fn)
+    def remove_window_listener(self, fn): self._listeners.discard(fn)
     def _reset_logs(self):
         self.window_sizes,self.window_items,self.window_losses = [],[],[]  # per optimizer step: samples, items, mean loss
         self.window_micro = []   # micro-batches per optimizer step
@@ -296,7 +294,7 @@ class GradientAccumulation(Callback):
         "The window is over: stepped, or not (its gradients zeroed); tell the listeners"
         if not stepped and zero: self._zero_grads()
         self.window.resolved = True; self.window.reset()
-        for f in self._listeners: f(stepped)
+        self._listeners(stepped)
 
     def _zero_grads(self): zero_grads(self.learn.model, getattr(self.learn, 'opt', None), reshard=self.gathered_params)
 

@@ -11,7 +11,7 @@ from fastcore.basics import camel2snake
 from .compat import compiled_with_cuda_graphs
 from .distributed import check_fsdp
 
-__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'one_per_learner', 'refuse_twins',
+__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
@@ -22,6 +22,17 @@ def in_inference(learn)->bool:
     `validation_context` leaves the lock held, and every later `validate` on that Learner blocks forever)."""
     lock = getattr(learn, 'lock', None)
     return lock is not None and lock.locked()
+
+class Listeners(list):
+    "The functions a callback calls on one of its events (a window closed, a micro-batch undone), each added once"
+    def add(self, fn):
+        "Call `fn` on the event (once, however often added); returns `fn`"
+        if fn not in self: self.append(fn)
+        return fn
+    def discard(self, fn):
+        if fn in self: self.remove(fn)
+    def __call__(self, *args):
+        for f in list(self): f(*args)
 
 class FitGuard:
     """Wraps `learn._do_epoch` for the length of a `fit` (fastai looks it up once per epoch, after `before_fit`):

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..guard import CANCELS, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from ..schedule import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -48,7 +48,7 @@ class MicroBatching(Callback):
         self.mode = check_micro_bs(size, 'size')
         self.probe_on,self.size = flag(probe, 'probe'),(self.mode if isinstance(self.mode, Integral) else None)
         self.trials,self.loader,self.rows,self.inference,self.snapshot = {},None,RowStates([]),InferenceCutter(),None
-        self._probe,self._serial,self._sync_bn_checked,self.agreed = None,0,False,False
+        self._probe,self._serial,self._sync_bn_checked,self.agreed,self._listeners = None,0,False,False,Listeners()
 
     @property
     def auto(self)->bool: return self.mode == 'auto'
@@ -63,14 +63,8 @@ class MicroBatching(Callback):
     def pieces(self, n:int)->int: "Micro-batches a loader batch of `n` items is cut into at the size in force"; return n_pieces(n, self.size or n)
     def on_undo(self, fn):
         "Call `fn()` when a micro-batch is undone (out of memory, or cancelled on another DDP rank)"
-        if fn not in self._listeners: self._listeners.append(fn)
-        return fn
-    def remove_undo_listener(self, fn):
-        if fn in self._listeners: self._listeners.remove(fn)
-    @property
-    def _listeners(self)->list:
-        if '_undo_fns' not in self.__dict__: self._undo_fns = []
-        return self._undo_fns
+        return self._listeners.add(fn)
+    def remove_undo_listener(self, fn): self._listeners.discard(fn)
 
     # -- fit ---------------------------------------------------------------------------------------------------------
     def before_fit(self):

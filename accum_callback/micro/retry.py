@@ -8,6 +8,7 @@ import torch
 from fastai.callback.fp16 import MixedPrecision
 
 from ..compat import BatchNormBase, autocast_enabled, foreach
+from ..guard import Listeners
 
 __all__ = ['Snapshot', 'PeerOutOfMemory']
 
@@ -20,7 +21,7 @@ class Snapshot:
     `restore_window`, the accumulation's own) and, with a window open, its accumulated gradient. The tensors to copy are
     gathered once per fit; taking a snapshot allocates nothing after the first and makes no host synchronisation"""
     def __init__(self, learn, window_state, restore_window):
-        self.learn,self.window_state,self.restore_window,self.listeners = learn,window_state,restore_window,[]
+        self.learn,self.window_state,self.restore_window,self.listeners = learn,window_state,restore_window,Listeners()
         self._state,self.snap = None,None
 
     def _tensors(self)->dict:
@@ -58,7 +59,7 @@ class Snapshot:
         if dev.type in ('cuda', 'cpu') and autocast_enabled(dev.type) and not snap['autocast']:
             for cb in learn.cbs:   # MixedPrecision enters autocast in `before_batch` and leaves it in `after_loss`
                 if isinstance(cb, MixedPrecision) and getattr(cb, 'autocast', None) is not None: cb.autocast.__exit__(None, None, None)
-        for f in list(self.listeners): f()
+        self.listeners()
         gc.collect()
         if dev.type == 'cuda': torch.cuda.empty_cache()
         torch.set_rng_state(snap['rng']); random.setstate(snap['py'])
