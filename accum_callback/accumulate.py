@@ -15,9 +15,10 @@ from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_s
                           set_resharding, sum_over_ranks, world_size, zero_grads)
 from .guard import (Listeners, add_fit_guard, in_inference, one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start,
                     remove_fit_guard)
-from .losses import loss_reduction, micro_items
+from .losses import count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
-from .schedule import PARTIAL_MODES, WindowSchedule, flag, window_arguments
+from .micro.loader import CutLoader, ReadAhead, batch_sizes
+from .schedule import PARTIAL_MODES, WindowSchedule, decide, flag, window_arguments, windows_started
 
 __all__ = ['GradientAccumulation', 'Window', 'PARTIAL_MODES']
 
@@ -93,6 +94,7 @@ class GradientAccumulation(Callback):
         # `micro_bs`: the `MicroBatching` callback this one adds to its Learner (and takes away with it)
         self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
         self.mb,self._decided,self._warned_divide,self._new_fit,self._listeners = None,0,False,False,Listeners()
+        self._ahead,self._clock = None,None   # the training loader read ahead; (epoch, windows it starts, windows started)
         self.window = Window()
         self._reset_logs()
 
@@ -149,21 +151,43 @@ class GradientAccumulation(Callback):
         self._new_fit = True   # the logs of the last fit are reset at its first training batch: they survive a `validate()`
         self.window.reset(); self.window.start_micro()
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
-        add_fit_guard(self.learn, 'gradient_accumulation', lambda e: self._discard_window())   # errors, KeyboardInterrupt
+        add_fit_guard(self.learn, 'gradient_accumulation', lambda e: self._unhook())   # errors, KeyboardInterrupt
         self.mb = self._micro()
+        self._clock = None
+        # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
+        if self.mb is None: self.learn.add_cb(CutLoader(self))
         bs = getattr(self.dls.train, 'bs', None)
+        self._warn_nothing_accumulates(bs)
         t = self.target_bs_sched() if self.target_bs_sched is not None and self.n_acc is None else None
-        if t and bs and t % bs and not self._warned_divide:
+        if t and bs and t > bs and t % bs and not self._warned_divide:
             warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
                           f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
                           "gradient of its window", stacklevel=2)
+            self._warned_divide = True
+
+    def _warn_nothing_accumulates(self, bs):
+        "A setting under which no window holds more than one loader batch, uncut: said once, naming the argument"
+        if not bs or self._warned_divide: return
+        mb,msg = self.mb,None
+        size = mb.size if mb is not None and not mb.auto else None
+        if size is not None and size > bs:
+            msg = (f"micro_bs={size} is larger than the loader's batch ({bs}): no batch is cut, so nothing is accumulated "
+                   f"that the loader batch does not hold already: give micro_bs below {bs}, or load larger batches")
+        t = self.target_bs_sched.const if self.target_bs_sched is not None and self.target_bs_sched.kind == 'const' else None
+        if t is not None and t < bs and mb is None:
+            name = 'n_acc' if self.n_acc is not None else 'target_bs'
+            msg = (f"{name}={t} is below the loader's batch ({bs}): every window is one batch of {bs} items and "
+                   f"nothing accumulates (fastai's callback multiplied such a step's gradient by bs/{name} = {bs/t:g}). For steps of {t} items, load "
+                   f"batches smaller than {t}; for steps of several batches, give a larger {name} or n_step")
+        if msg:
+            warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
             self._warned_divide = True
 
     def refuse_fit(self): "What this fit is refused for (`guard.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn)
 
     def after_fit(self):
         if in_inference(self.learn): return
-        self._end_micro(); self._discard_window()
+        self._end_micro(); self._unhook()
         self.mb = None
         remove_fit_guard(self.learn, 'gradient_accumulation')
         if not self._new_fit and self.n_skipped:   # trained in this fit and dropped windows
@@ -171,8 +195,20 @@ class GradientAccumulation(Callback):
                           "non-finite loss", stacklevel=2)
 
     def before_train(self): check_fsdp(self.learn.model)   # a model another callback sharded in its `before_fit` (Accelerate's FSDP plugin)
+    def start_train(self):
+        "(`CutLoader`, once the loader is final) Read the training loader ahead: the window ends where the loader really ends"
+        self._ahead = self.learn.dl = ReadAhead(self.learn.dl)
+
+    def _unhook(self):
+        "The fit is over (or left by an exception): the window discarded, the loader and the callback list fastai's again"
+        self._discard_window()
+        learn = self.learn
+        if learn is None: return
+        if self._ahead is not None: learn.dl,self._ahead = self._ahead.dl,None
+        learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, CutLoader) and cb.mb is self])
 
     def after_train(self):
+        if self._ahead is not None: self.learn.dl,self._ahead = self._ahead.dl,None
         if self.gathered_params and is_fsdp(self.learn.model): set_resharding(self.learn.model, True, True, now=True)
         self._end_micro()   # a callback before us may have cancelled the epoch in `after_batch`
         # Only an epoch cut short leaves a window open here (unless carrying it on): never let it leak
@@ -185,12 +221,14 @@ class GradientAccumulation(Callback):
         if self._new_fit: self._reset_logs(); self._new_fit = False
         self._end_micro()   # the last micro-batch's `after_batch` did not reach us (cancelled by a callback before us)
         bs,ddp = find_bs(learn.yb if len(learn.yb) else learn.xb),is_distributed(learn.model)
+        if self._clock is None or self._clock[0] != learn.epoch: self._clock = self._epoch_clock(ddp)
         if p is None:   # a micro-batch is a loader batch: decide at each
-            if not w.n_micro: w.target = self.sched(learn.pct_train, learn.epoch)
-            action = self._decide(bs, w.n_micro, w.n_samples, learn.iter == learn.n_iter-1, ddp)
+            if not w.n_micro: self._window_starts()
+            last = self._ahead.last if self._ahead is not None else learn.iter == learn.n_iter-1
+            action = self._decide(bs, w.n_micro, w.n_samples, last, ddp)
         else:   # `micro_bs`: decide once per loader batch (a retried micro-batch keeps it); its last micro-batch acts
             if self._decided != p.serial:
-                if not w.n_units: w.target = self.sched(learn.pct_train, learn.epoch)
+                if not w.n_units: self._window_starts()
                 w.unit_action = self._decide(p.batch_n, w.n_units, w.n_samples, p.last_batch, ddp)
                 w.n_units += 1; self._decided = p.serial
             action = w.unit_action if p.last_piece else None
@@ -204,15 +242,36 @@ class GradientAccumulation(Callback):
 
     def _decide(self, b:int, units:int, seen:int, last:bool, ddp:bool):
         "'step', 'drop' or None (the window stays open) for a unit (micro-batch, or loader batch with `micro_bs`) of `b` items"
-        w,learn = self.window,self.learn
+        learn = self.learn
         # DDP: every rank must decide alike before the forward pass, so `target_bs` counts units at the loader's batch
         # size there (a rank's short last batch would otherwise close its window later than the other ranks')
         if ddp: seen,b = units*learn.dls.train.bs,learn.dls.train.bs
-        if (units+1 >= w.target) if self.n_step_sched is not None else (seen+b >= w.target): return 'step'
-        if not last: return None
-        if self.partial == 'step': return 'step'
-        if self.partial == 'drop' or learn.epoch >= learn.n_epoch-1: return 'drop'   # carry ends with the fit
-        return None
+        return decide(b, units, seen, self.window.target, self.n_step_sched is None, last, self.partial,
+                      learn.epoch >= learn.n_epoch-1)
+
+    # -- the schedule's clock, in windows ------------------------------------------------------------------------
+    def _epoch_clock(self, ddp:bool):
+        """`(epoch, W, 0)`: the windows that step in this epoch, W, where the window size is known for the whole epoch
+        (a number, or an `{epoch: n}` mapping), so that window j's step uses the hyper-parameters fastai's schedules give
+        the large batch's step j of W: `pct_train = (epoch + j/W)/n_epoch`. W is None for a window size that follows
+        progress (a function, the noise scale): the clock is then fastai's, by micro-batch (docs/fastai.md)"""
+        learn,w = self.learn,self.window
+        if self.sched.kind == 'fn': return (learn.epoch, None, 0)
+        dl = self.mb.loader.dl if self.mb is not None and self.mb.loader is not None else (self._ahead.dl if self._ahead is not None else learn.dl)
+        sizes = batch_sizes(dl)
+        if ddp: sizes = [learn.dls.train.bs]*len(sizes)
+        units = w.n_units if self.mb is not None else w.n_micro   # a window carried into this epoch
+        W = windows_started(sizes, self.sched(0., learn.epoch), self.n_step_sched is None, self.partial,
+                            learn.epoch >= learn.n_epoch-1, units, w.n_samples)
+        return (learn.epoch, W or None, 0)
+
+    def _window_starts(self):
+        "A window starts: its size, and the schedule's clock set to the large batch's step it stands for"
+        learn,(epoch,W,j) = self.learn,self._clock
+        if W is not None:
+            learn.pct_train = (epoch + min(j, W)/W)/learn.n_epoch
+            self._clock = (epoch, W, j+1)
+        self.window.target = self.sched(learn.pct_train, learn.epoch)
 
     def before_backward(self):
         learn,w = self.learn,self.window
@@ -237,7 +296,8 @@ class GradientAccumulation(Callback):
         n = w.n
         if n is None: return
         w.n_micro += 1; w.n_samples += w.bs; w.items = w.items + n; w.counted = True
-        loss = self.learn.loss.detach().float()
+        loss = self.learn.loss.detach()
+        loss = loss.to(count_dtype(loss))
         # a micro-batch of zero items (all ignore_index, all padding) contributes zero, also when its mean loss is NaN
         if w.summed: w.loss_sum = w.loss_sum + loss
         elif isinstance(n, torch.Tensor): w.loss_sum = w.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))

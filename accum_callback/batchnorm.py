@@ -11,7 +11,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from fastcore.basics import store_attr
 
 from .accumulate import GradientAccumulation
-from .compat import foreach, module_dicts
+from .compat import foreach, is_compiled, module_dicts
 from .micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
@@ -20,7 +20,7 @@ from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
 from .schedule import whole_number
 
-__all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats']
+__all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats', 'RecomputeGuard']
 
 def accumulated_momentum(
     m:float|None, # a BatchNorm momentum (None: cumulative average, left as is)
@@ -65,8 +65,13 @@ class PooledStats:
     backward passes are over). Per micro-batch nothing else runs: no allocation, no extra kernel, no host
     synchronisation. When a window steps, `close` pools every layer's slots and updates every layer's running
     statistics in a fixed handful of batched and `_foreach` ops, whatever the number of layers; the item counts travel
-    in one host-to-device copy (from pinned memory on a GPU)."""
-    def __init__(self, bns:list, momenta:list, cap:int=1):
+    in one host-to-device copy (from pinned memory on a GPU).
+
+    `staged` (a compiled model): a forward writes into a staging slot that depends only on how often the layer already
+    ran in this micro-batch, never on the micro-batch's place in the window, and the slots are copied into the window
+    tensor after the backward (one copy a micro-batch): what torch.compile traces of the hooks is the same at every
+    micro-batch, so it compiles no graph more than without them."""
+    def __init__(self, bns:list, momenta:list, cap:int=1, staged:bool=False):
         self.bns,self.momenta = bns,momenta
         rm = bns[0].running_mean
         self.device,self.dtype,self.sizes = rm.device,rm.dtype,[bn.num_features for bn in bns]
@@ -77,8 +82,11 @@ class PooledStats:
         nbt = [bn.num_batches_tracked for bn in bns if bn.num_batches_tracked is not None]
         self.nbt_host = [int(v) for v in torch.stack(nbt).tolist()] if any(m is None for m in momenta) and nbt else None
         self.scratch = torch.zeros((), dtype=torch.long, device=dev)   # takes BatchNorm's `num_batches_tracked += 1`
-        self.S,self.views,self.cap,self.paused = None,[],0,False
+        self.S,self.views,self.cap,self.paused,self.staged = None,[],0,False,staged
         self.grow(cap)
+        if staged:   # (layers that run twice in a forward get a second staging slot when they first do)
+            self.stage,self.stage_views = None,[]
+            self._grow_stage(1)
         self.counts = [[] for _ in bns]   # per layer, the item count of each slot the window holds
         self.pending,self.n_pend = [],[0]*L   # (layer, items) of each forward of the micro-batch in progress; per layer
         self.stash = [None]*L
@@ -92,16 +100,28 @@ class PooledStats:
         self.S,self.cap = S,cap
         self.views = [[(S[j, 0, o:o+c], S[j, 1, o:o+c]) for j in range(cap)] for o,c in zip(self.offsets, self.sizes)]
 
+    def _grow_stage(self, cap:int):
+        St = torch.zeros(cap, 2, sum(self.sizes), device=self.device, dtype=self.dtype)
+        if self.stage is not None: St[:len(self.stage)].copy_(self.stage)
+        self.stage = St
+        self.stage_views = [[(St[j, 0, o:o+c], St[j, 1, o:o+c]) for j in range(cap)] for o,c in zip(self.offsets, self.sizes)]
+
     def hooks(self, l:int):
         "Forward pre-hook and hook of layer `l`: its buffers swapped for the next free slot, then put back"
         bank,stash,world = self,self.stash,sync_batchnorm_world(self.bns[l])
         def pre(bn, inp):
             if not bn.training or bank.paused: return
-            j = len(bank.counts[l]) + bank.n_pend[l]
-            if j >= bank.cap: bank.grow(max(j+1, 2*bank.cap))
+            if bank.staged:
+                j = bank.n_pend[l]
+                if j >= len(bank.stage): bank._grow_stage(j+1)
+                view = bank.stage_views[l][j]
+            else:
+                j = len(bank.counts[l]) + bank.n_pend[l]
+                if j >= bank.cap: bank.grow(max(j+1, 2*bank.cap))
+                view = bank.views[l][j]
             b = module_dicts(bn)[0]   # the dict itself: `Module.__setattr__` costs more than the rest of the hook
             stash[l] = (b['running_mean'], b['running_var'], b['num_batches_tracked'])
-            b['running_mean'],b['running_var'] = bank.views[l][j]
+            b['running_mean'],b['running_var'] = view
             if stash[l][2] is not None: b['num_batches_tracked'] = bank.scratch
         def post(bn, inp, out):
             s = stash[l]
@@ -115,12 +135,22 @@ class PooledStats:
     def end_micro(self, counted:bool):
         "The micro-batch's backward ran and counts (its slots join the window), or not (they are cleared for reuse)"
         if not self.pending: return
+        if self.staged and counted: self._unstage()
         for l,n in self.pending:
             if counted: self.counts[l].append(n)
-            else:   # rare (another callback cancelled the backward): its graph is gone, so the slot can be cleared
+            elif not self.staged:   # rare (another callback cancelled the backward): its graph is gone, so the slot can be cleared
                 self.n_pend[l] -= 1
                 for v in self.views[l][len(self.counts[l]) + self.n_pend[l]]: v.zero_()
         self.pending,self.n_pend = [],[0]*len(self.bns)
+
+    def _unstage(self):
+        "`staged`: the micro-batch's staging slots into the window's next slots (one copy where every layer ran once)"
+        n,first = self.n_pend,[len(c) for c in self.counts]
+        need = max(f+k for f,k in zip(first, n))
+        if need > self.cap: self.grow(max(2*self.cap, need))
+        if min(n) == max(n) == 1 and min(first) == max(first): self.S[first[0]].copy_(self.stage[0]); return
+        for l,(o,c) in enumerate(zip(self.offsets, self.sizes)):
+            for i in range(n[l]): self.S[first[l]+i, :, o:o+c].copy_(self.stage[i, :, o:o+c])
 
     def restore_buffers(self):
         "Put back the buffers of a forward that raised between the two hooks"
@@ -163,6 +193,37 @@ class PooledStats:
         called = [bn.num_batches_tracked for bn,c in zip(self.bns, self.counts) if c and bn.num_batches_tracked is not None]
         if called: foreach('add_')(called, 1)
 
+class RecomputeGuard:
+    """Activation checkpointing (`torch.utils.checkpoint`, reentrant or not) runs a block's forward again during the
+    backward. A BatchNorm layer in training mode then updates its running statistics a second time (pytorch#96136), and
+    'pool' would pool the same items twice. While the guard is on (from `before_backward` to `after_backward`: `start`,
+    `stop`), the first forward of each layer keeps a copy of its running buffers, put back when the backward is over: the
+    recomputation normalises with the micro-batch's statistics as the first forward did, and the running statistics
+    count each micro-batch once. (A copy put back, not buffers swapped around the forward: the non-reentrant form stops
+    a recomputation as soon as it has what the backward needs, inside the forward, so a forward hook may never run.)
+    `recomputed` counts the forwards it caught."""
+    def __init__(self, bns:list):
+        self.on,self.recomputed,self.kept,self.handles = False,0,{},[]
+        for bn in bns:
+            if bn.running_mean is not None: self.handles.append(bn.register_forward_pre_hook(self._pre))
+    def _pre(self, bn, inp):
+        if not (self.on and bn.training): return
+        self.recomputed += 1
+        if bn not in self.kept:
+            self.kept[bn] = [(t, t.clone()) for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None]
+    def start(self): self.stop(); self.on = True
+    @torch.no_grad()
+    def stop(self):
+        "The backward is over (or never finished): every buffer a recomputation wrote is put back"
+        self.on = False
+        for pairs in self.kept.values():
+            for t,v in pairs: t.copy_(v)
+        self.kept = {}
+    def remove(self):
+        self.stop()
+        for h in self.handles: h.remove()
+        self.handles = []
+
 # -- modes: what BatchNormAccumulation does at the start of fit, per micro-batch, per window and at the end -----------
 class _Mode:
     needs_windows = False   # reads GradientAccumulation's windows
@@ -171,6 +232,7 @@ class _Mode:
     def micro_undone(self): pass   # micro_bs='auto' undid a micro-batch that ran out of memory
     def before_train(self): pass
     def before_batch(self): pass
+    def before_backward(self): pass
     def after_backward(self): pass
     def window_closed(self, stepped:bool): pass
     def restore(self): pass
@@ -184,24 +246,33 @@ class Pool(_Mode):
         self.banks,self.handles = [],[]
         groups = {}
         for bn in bns: groups.setdefault((bn.running_mean.device, bn.running_mean.dtype), []).append(bn)
-        cap = self.cb.ga.window_n_step
+        cap,staged = self.cb.ga.window_n_step,is_compiled(self.cb.learn.model)
         for g in groups.values():
-            bank = PooledStats(g, [bn.momentum for bn in g], cap)
+            bank = PooledStats(g, [bn.momentum for bn in g], cap, staged)
             for l,bn in enumerate(g):
                 pre,post = bank.hooks(l)
                 self.handles += [bn.register_forward_pre_hook(pre), bn.register_forward_hook(post)]
             self.banks.append(bank)
         for bn in bns: bn.momentum = 1.   # the forward writes exactly that micro-batch's mean and unbiased variance
+        self.guard = RecomputeGuard(bns)
     def before_batch(self):
+        self._in_backward(False)   # (a backward that raised did not reach `after_backward`)
         for b in self.banks: b.end_micro(False)   # statistics of a micro-batch cancelled before its backward
+    def before_backward(self): self._in_backward(True)
     def after_backward(self):
+        self._in_backward(False)
         counted = self.cb.ga.window.counted   # another callback may have cancelled the backward: then nothing pools
         for b in self.banks: b.end_micro(counted)
+    def _in_backward(self, on:bool):
+        "A forward during the backward recomputes activations (checkpointing): the guard takes it, the banks do not"
+        self.guard.start() if on else self.guard.stop()
+        for b in self.banks: b.paused = on
     def window_closed(self, stepped:bool):
         for b in self.banks: b.close(stepped)
     def micro_undone(self):
         for b in self.banks: b.restore_buffers(); b.end_micro(False)
     def restore(self):
+        if getattr(self, 'guard', None) is not None: self._in_backward(False); self.guard.remove()
         for h in getattr(self, 'handles', ()): h.remove()
         for b in getattr(self, 'banks', ()): b.restore_buffers()
         for bn,m in getattr(self, 'saved', ()): bn.momentum = m
@@ -210,8 +281,13 @@ class Pool(_Mode):
 class Momentum(_Mode):
     "'momentum': each BatchNorm momentum m becomes `accumulated_momentum(m, k)`, k micro-batches per window"
     needs_windows = True
-    def start(self, bns): self.saved,self.k = [(bn, bn.momentum) for bn in bns if bn.momentum is not None],None
+    def start(self, bns):
+        self.saved,self.k = [(bn, bn.momentum) for bn in bns if bn.momentum is not None],None
+        self.guard = RecomputeGuard(bns)
+    def before_backward(self): self.guard.start()
+    def after_backward(self): self.guard.stop()
     def before_batch(self):
+        self.guard.stop()   # (a backward that raised did not reach `after_backward`)
         ga = self.cb.ga
         if not (self.saved and ga.window_start): return
         k = ga.window_n_step
@@ -219,6 +295,7 @@ class Momentum(_Mode):
             self.k = k
             for bn,m in self.saved: bn.momentum = accumulated_momentum(m, k)
     def restore(self):
+        if getattr(self, 'guard', None) is not None: self.guard.remove()
         for bn,m in getattr(self, 'saved', ()): bn.momentum = m
         self.saved = []
 
@@ -398,6 +475,8 @@ class BatchNormAccumulation(Callback):
         if self.precise: self._recompute()   # before validation: the epoch's model is validated with its own statistics
     def before_batch(self):
         if self.active is not None: self.active.before_batch()
+    def before_backward(self):
+        if self.active is not None: self.active.before_backward()
     def after_backward(self):
         if self.active is not None: self.active.after_backward()
     def _window_closed(self, stepped:bool):

@@ -27,7 +27,8 @@ from .schedule import whole_number
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
 
-CHECK_CAUSES = ('loss_not_mean', 'n_items', 'regularizer', 'batchnorm', 'dropout', 'not_per_sample', 'nonfinite', 'unexplained')
+CHECK_CAUSES = ('loss_not_mean', 'n_items', 'regularizer', 'batchnorm', 'checkpoint', 'dropout', 'train_state', 'not_per_sample',
+                'nonfinite', 'unexplained')
 CAUSE_ADVICE = dict(
     loss_not_mean="the loss sums over its items (e.g. reduction='sum') where its micro-batches are weighed as means: use "
                   "reduction='mean', or a torch/fastai loss class with reduction='sum' (accumulated as the sum it is)",
@@ -42,6 +43,12 @@ CAUSE_ADVICE = dict(
               "on micro-batch statistics (ghost batch norm), usually harmless",
     dropout="dropout (or another layer random in training) draws other masks for micro-batches than for one batch: "
             "expected and harmless, the same distribution",
+    checkpoint="BatchNorm runs inside an activation-checkpointed block: the forward recomputed in the backward updates its "
+               "running statistics a second time (pytorch#96136); BatchNormAccumulation('pool') or 'momentum' count each "
+               "micro-batch once",
+    train_state="a layer changes its own buffers at every training forward (spectral_norm's power iteration, a "
+                "running average kept in forward): micro-batches run it once each where one batch runs it once, so "
+                "the window is not the large batch; expected for spectral_norm, and small",
     not_per_sample="the model mixes the samples of a batch or carries state from one batch to the next: one big batch "
                    "is another computation (expected for language models; micro_bs splits their rows exactly)",
     nonfinite="a micro-batch gave a non-finite loss or gradient: GradientAccumulation(skip_nonfinite=True) drops its window",
@@ -161,8 +168,12 @@ class Runner:
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         amp = getattr(mp, 'amp_mode', None) if mp is not None else None
         self.autocast = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
+        # fastai's MixedPrecision autocasts on CUDA only (`autocast('cuda')`): a model on the CPU trains in its own dtype
+        if model_device(model).type != 'cuda': self.autocast = None
         p = next(iter(model.parameters()), None)
         self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
+        self.loss_dtype = None   # the dtype the loss came out in (fastai's flattened losses give float32 for float64 input)
+        self.recomputed_bn = False   # a BatchNorm forward ran during a backward (activation checkpointing)
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
         self.loss_terms = True   # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
 
@@ -275,7 +286,7 @@ class Runner:
 
     def count(self, xb, yb, pred, loss)->float:
         "Items the micro-batch's mean loss averages over (as the Learner's `GradientAccumulation` counts them), a float"
-        view = _View(self.learn, xb=xb, yb=yb, pred=pred, loss=loss)
+        view = _View(self.learn, xb=xb, yb=yb, pred=pred, loss=loss, loss_grad=loss)
         return float(micro_items(view, getattr(self.ga, 'n_items', None), find_bs(yb if len(yb) else xb)))
 
     def grads(self, accumulate:bool, bn=True, drop=True)->tuple[torch.Tensor,bool]:
@@ -288,10 +299,11 @@ class Runner:
             items,ref = 0.,None
             for xb,yb in self.pieces(m, self.window):
                 pred,loss = self.forward(m, xb, yb)
+                self.loss_dtype = loss.dtype
                 n = self.count(xb, yb, pred, loss)
                 if ref is None: ref = max(n, 1.)
                 finite = finite and bool(torch.isfinite(loss).all())
-                (loss if summed else loss*(n/ref)).backward()
+                with self._watch_recompute(m): (loss if summed else loss*(n/ref)).backward()
                 items += n
             scale = 1. if summed else ref/items
         else:
@@ -304,6 +316,33 @@ class Runner:
         if scale != 1.: flat.mul_(scale)
         self.names,self.sizes = [n for n,_ in ps],[p.numel() for _,p in ps]
         return flat,finite and math.isfinite(float(flat.norm()))   # an inf or NaN anywhere makes the norm so
+
+    @contextlib.contextmanager
+    def _watch_recompute(self, m):
+        "Does a BatchNorm layer in training mode run during the backward (activation checkpointing recomputes it)?"
+        def seen(mod, inp):
+            if mod.training: self.recomputed_bn = True
+        hs = [mod.register_forward_pre_hook(seen) for mod in m.modules() if isinstance(mod, BatchNormBase)]
+        try: yield
+        finally:
+            for h in hs: h.remove()
+
+    @torch.no_grad()
+    def train_effects(self, idxs)->tuple[bool,bool]:
+        """What makes training mode differ, besides BatchNorm: `(random, state)`. random: the output of the same forward
+        changes with the RNG (dropout, drop-path); state: a forward changes buffers outside BatchNorm (spectral_norm's
+        power iteration)"""
+        xb,yb = self.joined(idxs)
+        outs,state = [],False
+        for shift in (False, True):
+            m = self.fresh(); self.modes(m, False, True)
+            if shift:   # another draw of every generator the forward may use
+                torch.rand(1)
+                if model_device(m).type == 'cuda': torch.rand(1, device=model_device(m))
+            bufs = [(b, b.detach().clone()) for mod in m.modules() if not isinstance(mod, BatchNormBase) for b in mod.buffers(recurse=False)]
+            with self._ctx(m): outs.append(_flat_out(self._seen(m(*xb), xb, yb)))
+            state = state or any(not torch.equal(b, v) for b,v in bufs)
+        return not torch.equal(*outs),state
 
     @torch.no_grad()
     def outputs(self, idxs, bn:bool, drop:bool, keep:bool=False)->float:
@@ -412,9 +451,11 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
 
 def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->AccumulationReport:
     r = Runner(learn, batches, model, ga, bna, where, dl)
-    tol = _TOL.get(r.dtype, 1e-5)
     sizes = [find_bs(b) for b in batches]
     acc,fa = r.grads(True)
+    # judged at the precision training really runs in: the model's (or autocast's), or the loss's where coarser
+    dtype = max((r.dtype, r.loss_dtype or r.dtype), key=lambda d: _TOL.get(d, 1e-5))
+    tol = _TOL.get(dtype, 1e-5)
     ref = 'device'
     try: big,fb = r.grads(False)
     except Exception as e:   # the big batch does not fit where the micro-batches do: compute it on the CPU
@@ -428,10 +469,14 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
                                "runs out of memory on the device and on the CPU: pass a smaller `n_step`") from None
         big = big.to(acc.device); ref = 'cpu'
     err = _rel(acc, big)
-    rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(r.dtype).replace('torch.', ''),
+    rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(dtype).replace('torch.', ''),
                              n_step=n_step, micro_sizes=sizes, worst=_worst(r.names, r.sizes, acc, big, tol), reference=ref)
-    if rep.exact: return rep
-    causes,errors = [],{}
+    # BatchNorm recomputed in the backward (checkpointing) counts its statistics twice: named, exact gradient or not
+    recount = r.recomputed_bn and not (bna is not None and bna.mode in ('pool', 'momentum', 'freeze', 'groupnorm'))
+    if rep.exact:
+        if recount: rep.causes,rep.advice = ('checkpoint',),{'checkpoint': CAUSE_ADVICE['checkpoint']}
+        return rep
+    causes,errors = (['checkpoint'] if recount else []),{}
     if not (fa and fb):
         causes.append('nonfinite'); errors['nonfinite'] = math.inf
     else:
@@ -445,9 +490,16 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
         if has_bn:
             e = r.outputs(r.clean, bn=True, drop=False)
             if e > max(tol, 10*quiet_clean): causes.append('batchnorm'); errors['batchnorm'] = e
-        if _rel(_flat_out(r.whole(r.clean, bn=False, drop=True)), _flat_out(r.whole(r.clean, bn=False, drop=False))) > 0:
-            e = r.outputs(r.clean, bn=False, drop=True)   # layers random in training: do the parts draw other masks?
-            if e > max(tol, 10*quiet_clean): causes.append('dropout'); errors['dropout'] = e
+        train_mode = _rel(_flat_out(r.whole(r.clean, bn=False, drop=True)), _flat_out(r.whole(r.clean, bn=False, drop=False))) > 0
+        def train_causes(e):
+            "Which layers acting otherwise in training: drawn masks (dropout), or buffers a forward changes (spectral_norm)"
+            random_,state = r.train_effects(r.clean)
+            for c,on in (('dropout', random_), ('train_state', state)):
+                if on: causes.append(c); errors[c] = e
+            return random_ or state
+        if train_mode:
+            e = r.outputs(r.clean, bn=False, drop=True)   # do the parts differ from the whole in training mode?
+            if e > max(tol, 10*quiet_clean) and not train_causes(e): causes.append('unexplained'); errors['unexplained'] = e
         mean_err,sum_err = r.loss_split()
         if mean_err > tol:
             c = 'loss_not_mean' if sum_err <= tol else 'n_items'
@@ -455,12 +507,12 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
         if r.adds_loss_terms:   # AR/TAR over padded positions: the difference goes with the terms
             with_terms,without = r.regularizer()
             if with_terms > max(tol, 10*without): causes.append('regularizer'); errors['regularizer'] = with_terms
-        if not causes:   # before calling it unexplained: does the model mix samples anywhere in the window?
-            whole = r.outputs(r.window, bn=False, drop=False) if r.window != r.exp else quiet
+        if not [c for c in causes if c != 'checkpoint']:   # before calling it unexplained: samples mixed anywhere in
+            whole = r.outputs(r.window, bn=False, drop=False) if r.window != r.exp else quiet   # the window? training mode?
             if whole > tol: causes.append('not_per_sample'); errors['not_per_sample'] = whole
-            else: causes.append('unexplained'); errors['unexplained'] = err
+            elif not (train_mode and train_causes(err)): causes.append('unexplained'); errors['unexplained'] = err
     rep.causes = tuple(c for c in CHECK_CAUSES if c in causes)
-    rep.errors = {c: errors[c] for c in rep.causes}
+    rep.errors = {c: errors[c] for c in rep.causes if c in errors}
     rep.advice = {c: CAUSE_ADVICE[c] for c in rep.causes}
     return rep
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch, torch.nn as nn
 
 __all__ = ['foreach', 'tree_flatten', 'tree_unflatten', 'tree_map', 'BatchNormBase', 'module_dicts', 'OutOfMemoryError',
-           'autocast_enabled', 'compiled_with_cuda_graphs', 'fsdp_param_groups', 'fsdp_grads_reachable',
+           'autocast_enabled', 'compiled_with_cuda_graphs', 'is_compiled', 'fsdp_param_groups', 'fsdp_grads_reachable',
            'held_unsharded_grad', 'clear_held_grads', 'local_tensor', 'grad_scale', 'TORCH']
 
 TORCH = torch.__version__
@@ -89,7 +89,11 @@ def grad_scale(learn):
     t = getattr(s, '_scale', None)
     return t.double() if isinstance(t, torch.Tensor) else torch.tensor(float(s.get_scale()), dtype=torch.float64)
 
-# -- torch.compile: is any part of the model compiled with CUDA graphs? -------------------------------------------------
+# -- torch.compile: is any part of the model compiled (with CUDA graphs)? ------------------------------------------------
+def is_compiled(model:nn.Module)->bool:
+    "Is any part of `model` compiled: a `torch.compile` wrapper (`_orig_mod`) or a module compiled in place (`.compile()`)"
+    return any(hasattr(m, '_orig_mod') or getattr(m, '_compiled_call_impl', None) is not None for m in model.modules())
+
 def compiled_with_cuda_graphs(model:nn.Module)->bool:
     """Is any part of `model` a `torch.compile` module whose backend records CUDA graphs (mode='reduce-overhead' or
     'max-autotune')? Read from dynamo's wrappers (`_orig_mod`, `dynamo_ctx.callback`, `_torchdynamo_orig_backend`, the

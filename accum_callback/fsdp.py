@@ -128,10 +128,23 @@ def from_fsdp(self:Learner,
 @patch
 @contextlib.contextmanager
 def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, **kwargs):
-    "`to_fsdp` for the block, `from_fsdp` after it (also after an error): fastai's `distrib_ctx`, with FSDP2"
+    """`to_fsdp` for the block, `from_fsdp` after it: fastai's `distrib_ctx`, with FSDP2. After an error the weights are
+    not gathered (a gather is a collective, and the other ranks may still be training, or gone): the error is raised as
+    it was, on the rank where it happened, with the loaders put back and the model left sharded"""
     self.to_fsdp(blocks=blocks, mesh=mesh, shard_data=shard_data, **kwargs)
     try: yield self
-    finally: self.from_fsdp()
+    except BaseException:
+        _leave_fsdp_locally(self)
+        raise
+    self.from_fsdp()
+
+def _leave_fsdp_locally(learn):
+    "What `from_fsdp` undoes that needs no other rank: the loaders (and fastai's DistributedDL patch); the model stays sharded"
+    st = getattr(learn, 'fsdp_state', None)
+    if st is None: return
+    learn.dls.loaders = st.dls_loaders
+    st.dl_patch.close()
+    learn.fsdp_state = None
 
 # -- fastai's save / load / export under FSDP2 ------------------------------------------------------------------------------
 _fastai_save,_fastai_load,_fastai_export = Learner.save,Learner.load,Learner.export

@@ -7,7 +7,7 @@ import functools
 from numbers import Integral
 import torch, torch.nn as nn
 
-__all__ = ['loss_reduction', 'loss_items', 'micro_items', 'SUM_LOSSES']
+__all__ = ['loss_reduction', 'loss_items', 'micro_items', 'count_dtype', 'SUM_LOSSES']
 
 def _inner(lf):
     """The torch loss module behind fastai's `BaseLoss` wrappers (`CrossEntropyLossFlat`, ..., and a subclass that keeps
@@ -56,15 +56,21 @@ def loss_items(loss_func, yb)->torch.Tensor|None:
     keep = t != f.ignore_index
     w = getattr(f, 'weight', None)
     if w is None: return keep.sum().float()
-    return (w.to(t.device)[torch.where(keep, t, 0).long()] * keep).sum().float()
+    w = w.to(t.device)
+    return (w[torch.where(keep, t, 0).long()] * keep).sum().to(torch.float64 if w.dtype == torch.float64 else torch.float32)
 
 def micro_items(learn, n_items=None, default=None):
     """The count a micro-batch's loss averages over, the one rule of training and of the check: `n_items(learn)` (the
     user's), else that of a known weighted / `ignore_index` loss (`loss_items`), else `default` (the batch size). A number
-    or a 0-d float tensor (not synchronised: the window sums them on the device)"""
+    or a 0-d float tensor (not synchronised: the window sums them on the device), in float64 where the loss is (so that
+    a float64 model's weights and counts are not rounded to float32), else in float32"""
     n = n_items(learn) if n_items is not None else loss_items(learn.loss_func, learn.yb)
     if n is None: n = default
-    if isinstance(n, torch.Tensor): return n.detach().float().squeeze()
+    if isinstance(n, torch.Tensor): return n.detach().to(count_dtype(getattr(learn, 'loss_grad', None))).squeeze()
     if isinstance(n, bool) or not isinstance(n, (Integral, float)):
         raise TypeError(f"`n_items` must return an int or a 0-d tensor, got {type(n).__name__}")
     return n
+
+def count_dtype(loss)->torch.dtype:
+    "The precision item counts and the window's loss sum are kept in: float64 for a float64 loss, else float32"
+    return torch.float64 if getattr(loss, 'dtype', None) == torch.float64 else torch.float32

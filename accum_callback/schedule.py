@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from numbers import Integral
 
 __all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'whole_number', 'NotWholeNumber', 'flag',
-           'window_arguments', 'PARTIAL_MODES']
+           'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
 
@@ -107,3 +107,25 @@ def batch_growth_from_lr(lr_sched, base:int, max_value:int|None=None, name:str='
     def _grow(pct): return cap(max(1, int(round(base*lr0/float(lr_sched(pct))))))
     _grow.__doc__ = f"{name} grown as the learning rate would have decayed, from {base}" + (f", capped at {max_value}" if max_value else "")
     return _grow
+
+def decide(b:int, units:int, seen:int, target:int, by_items:bool, last:bool, partial:str, last_epoch:bool)->str|None:
+    """The window rule for a unit of `b` items (a micro-batch, or a loader batch cut into micro-batches) after `units`
+    units and `seen` items of the window: 'step', 'drop' or None (the window stays open). It closes at the unit reaching
+    `target` (units, or items when `by_items`); at the loader's `last` unit a partial window is stepped, dropped, or
+    carried into the next epoch (`partial`), never past the fit (`last_epoch`)"""
+    if (seen+b >= target) if by_items else (units+1 >= target): return 'step'
+    if not last: return None
+    if partial == 'step': return 'step'
+    if partial == 'drop' or last_epoch: return 'drop'
+    return None
+
+def windows_started(sizes:list, target:int, by_items:bool, partial:str, last_epoch:bool, units:int=0, seen:int=0)->int:
+    """How many of the windows that start in an epoch of units of `sizes` items step (`decide`'s rule; `units`/`seen`:
+    a window carried in from the epoch before, which started there); a window carried on counts where it starts"""
+    n,here = 0,False
+    for i,b in enumerate(sizes):
+        if units == 0: n,here = n+1,True
+        a = decide(b, units, seen, target, by_items, i == len(sizes)-1, partial, last_epoch)
+        if a is None: units,seen = units+1,seen+b
+        else: n,units,seen = n - (a == 'drop' and here),0,0
+    return n

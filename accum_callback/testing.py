@@ -71,6 +71,7 @@ def launch_gloo(fn, world:int=2, args:tuple=(), kwargs:dict|None=None, threads:i
                 if p.is_alive(): p.terminate()
             for p in ps: p.join()
             errs = [(r, open(os.path.join(d, f'{r}.err')).read()) for r in range(world) if os.path.exists(os.path.join(d, f'{r}.err'))]
+            errs.sort(key=lambda e: e[0] != failed)   # the rank that failed first: the others' errors follow from it
             first = errs[0] if errs else (failed, f'exit code {ps[failed].exitcode}, no traceback (killed?)')
             raise RuntimeError(f'rank {first[0]} of {world} failed in {getattr(fn, "__name__", fn)}:\n{first[1]}')
         for p in ps: p.join()

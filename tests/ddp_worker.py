@@ -173,19 +173,19 @@ class CountOnceWrapped(Callback):
     def __init__(self, spy): self.spy = spy
     def before_fit(self): self.spy.counter = count_allreduces(self.learn.model)
 
-def train_fastai(rank, world_size, n=32, bs=4, n_epoch=2, ga=None, seed=0):
+def train_fastai(rank, world_size, n=32, bs=4, n_epoch=2, ga=None, seed=0, drop_last=False):
     "fastai's own path, `learn.distrib_ctx()` (Accelerate wraps the model, `DistributedDL` shards the data), on CPU"
     from accum_callback.distributed import gloo_distributed_dl
     x,y = make_data(n, seed=seed)
     spy = DDPSpy(_NullCounter())
     learn = make_learner(TensorDataset(x, y), bs, cbs=[Float64Run(), GradientAccumulation(**ga), spy],
-                         model=MLP(n_in=5, n_out=3, seed=seed).double(), lr=LR)
+                         model=MLP(n_in=5, n_out=3, seed=seed).double(), lr=LR, drop_last=drop_last)
     learn.add_cb(CountOnceWrapped(spy))
     with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True), learn.no_bar(), learn.no_logging():
         learn.fit(n_epoch, lr=LR)
     return dict(params=torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()]), micro=spy.micro,
                 windows=spy.windows, rounds=spy.counter.n_rounds, steps=learn.gradient_accumulation.steps,
-                window_items=list(learn.gradient_accumulation.window_items))
+                window_items=list(learn.gradient_accumulation.window_items), n_dropped=learn.gradient_accumulation.n_dropped)
 
 class _NullCounter: n_calls,n_rounds,buckets = 0,0,[]
 
@@ -373,3 +373,22 @@ def precise_ranks(rank, world_size):
         except Exception as e: out[kind] = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         dist.barrier()
     return out
+
+class RaiseOnRank(Callback):
+    "On rank `rank` only, raise a ValueError at training micro-batch `at` (in `after_backward`)"
+    def __init__(self, rank, my_rank, at): self.rank,self.on,self.at,self.k = rank,rank == my_rank,at,0
+    def after_backward(self):
+        if not self.on: return
+        self.k += 1
+        if self.k == self.at: raise ValueError(f'boom on rank {self.rank}')
+
+def fsdp_raise_on_one_rank(rank, world_size, n=64, bs=4, seed=0):
+    "Issue 43: rank 1 raises in the middle of a fit inside `learn.fsdp_ctx()` while rank 0 trains on"
+    from accum_callback import GradientAccumulation
+    x,y = make_data(n, seed=seed)
+    learn = make_learner(TensorDataset(x, y), bs, cbs=[Float64Run(), GradientAccumulation(n_step=2), RaiseOnRank(1, rank, 3)],
+                         model=MLP(n_in=5, n_out=3, seed=seed).double(), lr=LR)
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with learn.fsdp_ctx(): learn.fit(2, lr=LR)
+    return {}

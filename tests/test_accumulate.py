@@ -223,6 +223,40 @@ def test_hypers_come_from_the_first_micro_batch_of_the_window():
     b = make_learner(ds, 4, opt_func=Adam, cbs=[GradientAccumulation(4), hs]); fit_quiet(b, 2, meth='fit_one_cycle', lr_max=1e-2)
     assert hs.lrs == pytest.approx(hb.lrs, rel=1e-12)
 
+class StepHypers(Callback):
+    "The hyper-parameters each optimizer step really uses (after `GradientAccumulation` put its window's in force)"
+    order,run_valid = GradientAccumulation.order+1,False
+    def before_fit(self): self.log = []
+    def before_step(self): self.log.append([float(h[k]) for h in self.opt.hypers for k in ('lr', 'mom', 'sqr_mom')])
+
+@pytest.mark.parametrize('n,bs,kw,big', [
+    (44, 4, dict(n_step=3), 12),                       # 3 windows of 12 and one of 8 an epoch
+    (44, 4, dict(target_bs=12), 12),
+    (50, 5, dict(n_step=4), 20),                       # 2 of 20 and one of 10
+    (44, 4, dict(n_step=3, micro_bs=2), 12),           # loader batches of 4 cut in 2: windows of 3 loader batches
+    (44, 4, dict(n_step=3, partial='drop'), 12),       # the large batch with drop_last=True: 3 steps an epoch
+    (44, 4, dict(n_step={0: 3, 1: 2}), {0: 12, 1: 8}), # a window size per epoch: the large batch's per epoch
+])
+def test_one_cycle_partial_last_window_is_the_large_batch(n, bs, kw, big):
+    """Issue 43: a window that does not divide the epoch. fastai's clock advanced per micro-batch, so window j started at
+    pct k*j/N_micro instead of the large batch's j/W (up to 7% of lr_max off, weights 6.6e-3 apart). The clock counts
+    windows now: every step uses the large batch's learning rate and momenta, and the weights are its weights (float64)"""
+    ds = make_data(n, seed=3)
+    class BigBs(Callback):   # the large batch whose size changes per epoch, as the window does
+        order = -20
+        def before_epoch(self):
+            if isinstance(big, dict): self.learn.dls.train.bs = big[self.epoch]
+    ref_h,acc_h = StepHypers(),StepHypers()
+    drop = kw.get('partial') == 'drop'
+    a = make_learner(ds, big[0] if isinstance(big, dict) else big, opt_func=Adam, cbs=[ref_h, BigBs()], dtype=torch.float64, drop_last=drop)
+    b = make_learner(ds, bs, opt_func=Adam, cbs=[GradientAccumulation(**kw), acc_h], dtype=torch.float64)
+    fit_quiet(a, 2, meth='fit_one_cycle', lr_max=0.1); fit_quiet(b, 2, meth='fit_one_cycle', lr_max=0.1)
+    assert len(acc_h.log) == len(ref_h.log) == b.gradient_accumulation.steps
+    for got,ref in zip(acc_h.log, ref_h.log): assert got == pytest.approx(ref, rel=1e-12, abs=0)
+    err = rel_err(weights(b.model), weights(a.model))
+    assert err <= 1e-10, err
+    assert rel_err(weights(a.model), weights(MLP(seed=0).double())) > 1e-2   # it trained
+
 def test_fine_tune_and_lr_find_work():
     ds = make_data(64)
     learn = make_learner(ds, 4, opt_func=Adam, cbs=GradientAccumulation(4))

@@ -161,14 +161,63 @@ def test_default_n_step_is_the_window():
     learn = make_learner(cls_data(32), 4, loss_func=nn.CrossEntropyLoss())   # no GradientAccumulation: 4
     assert learn.check_accumulation().n_step == 4
 
-def test_mixed_precision_is_checked_in_its_dtype():
-    "fastai's MixedPrecision(bf16) on the Learner: the check runs under autocast and judges with bf16's tolerance"
+def test_mixed_precision_is_checked_in_the_dtype_training_runs_in():
+    """fastai's MixedPrecision autocasts on CUDA only (`autocast('cuda')`): a Learner on the CPU trains in float32, and
+    the check judges at float32's tolerance (issue 43: it ran autocast on the CPU, judged at bf16's 4e-2, and called a
+    real `n_items` error 'unexplained'). The bf16 check under autocast runs in the cuda tier"""
     from fastai.callback.fp16 import MixedPrecision
     learn = learner(); learn.add_cb(MixedPrecision(amp_mode='bf16'))
     r = learn.check_accumulation()
-    assert r.dtype == 'bfloat16' and r.tol == 4e-2 and r.exact and r.rel_error > 1e-5   # really computed in bf16
+    assert r.dtype == 'float32' and r.tol == 1e-5 and r.exact and r.rel_error <= 1e-6, r
+    learn = learner(loss='ignore'); learn.add_cb(MixedPrecision(amp_mode='bf16'))
+    r = learn.check_accumulation()
+    assert not r.exact and r.causes == ('n_items',), r
     learn = learner(model=Net(bn=True)); learn.add_cb(MixedPrecision(amp_mode='bf16'))
     assert learn.check_accumulation().causes == ('batchnorm',)
+
+def test_float64_model_with_a_float32_loss_is_judged_at_the_loss_precision():
+    """fastai's flattened losses return float32 for a float64 model: the gradient carries float32 rounding, so the check
+    judges at float32's tolerance (it told the user to supply `n_items`, which cannot fix rounding)"""
+    r = learner(dtype=F64, loss_func=CrossEntropyLossFlat()).check_accumulation()
+    assert r.dtype == 'float32' and r.tol == 1e-5 and r.exact and r.causes == (), r
+
+def test_float64_counts_are_not_rounded_to_float32():
+    """Item counts follow the loss's precision: a float64 model with float64 class weights whose sum float32 rounds
+    accumulates to the large batch's gradient at float64's precision (before: 1e-8 off, counts summed in float32)"""
+    w = torch.tensor([1., 1/3, 1e-3], dtype=F64)
+    spy = WindowSpy()
+    learn = make_learner(cls_data(30), 4, cbs=[GradientAccumulation(n_step=4), spy], loss_func=nn.CrossEntropyLoss(weight=w), dtype=F64)
+    fit_quiet(learn, 1)
+    assert max(spy.errs) <= 1e-13, spy.errs
+
+class SpectralNet(nn.Module):
+    "spectral_norm on the first layer: a power iteration updates its buffers at every training forward. No dropout"
+    def __init__(self):
+        super().__init__(); torch.manual_seed(0)
+        self.l1,self.l2 = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 16)),nn.Linear(16, 3)
+    def forward(self, x): return self.l2(torch.tanh(self.l1(x)))
+
+def test_spectral_norm_is_named_for_what_it_is():
+    "Issue 43: spectral_norm's power iteration (its buffers change at every training forward) was blamed on 'dropout'"
+    r = learner(model=SpectralNet(), dtype=F64).check_accumulation()
+    assert not r.exact and r.causes == ('train_state',), r
+    r = learner(model=Net(p=0.5)).check_accumulation()
+    assert r.causes == ('dropout',), r
+
+class CheckpointedBN(nn.Module):
+    def __init__(self):
+        super().__init__(); torch.manual_seed(0)
+        self.l1,self.bn,self.l2 = nn.Linear(5, 16),nn.BatchNorm1d(16),nn.Linear(16, 3)
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return self.l2(torch.tanh(checkpoint(lambda t: self.bn(self.l1(t)), x, use_reentrant=False)))
+
+@pytest.mark.parametrize('bn,named', [(None, True), ('pool', False), ('momentum', False)])
+def test_batchnorm_under_checkpointing_is_named(bn, named):
+    "Plain BatchNorm inside an activation-checkpointed block counts its statistics twice: the check names it"
+    r = learner(model=CheckpointedBN(), bn=bn).check_accumulation()
+    assert ('checkpoint' in r.causes) == named, r
+    if named: assert 'pytorch#96136' in str(r)
 
 def test_a_big_batch_that_fits_nowhere_is_a_clear_error():
     "The micro-batches fit, one batch of all of them runs out of memory on the device and on the CPU: an error naming n_step"

@@ -1,7 +1,7 @@
 """`GradientAccumulation` under DistributedDataParallel: 2 CPU processes over gloo, all-reduces counted by a DDP
 communication hook. Every scenario runs in one spawn (`ddp_worker.run_many`): starting the processes costs far more
 than the scenarios. The model is float64, SGD, so "equal" means to 1e-6 relative (seen: ~1e-16)."""
-import importlib.util
+import importlib.util, re
 import pytest, torch
 
 import ddp_worker as W
@@ -25,6 +25,11 @@ SCENARIOS = dict(
     fastai_path   = dict(fastai_path=True, n=32, ga=dict(n_step=4)),              # learn.distrib_ctx(): Accelerate + DistributedDL
     fastai_path_n2= dict(fastai_path=True, n=32, ga=dict(n_step=2)),
     fastai_path_micro2 = dict(fastai_path=True, n=32, ga=dict(n_step=2, micro_bs=2)),   # fastai's DistributedDL, then cut
+    # issue 43: DistributedDL's `len` (ceil(floor(n/bs)/world)) overstates what a rank reads (floor(ceil(n/world)/bs))
+    # with drop_last=True: the epoch's last window used to be dropped (and at 60/8/4 no step was ever taken)
+    fastai_path_69_4_3 = dict(fastai_path=True, n=69, bs=4, drop_last=True, ga=dict(n_step=3)),
+    fastai_path_60_8_4 = dict(fastai_path=True, n=60, bs=8, drop_last=True, ga=dict(n_step=4)),
+    fastai_path_69_micro = dict(fastai_path=True, n=69, bs=4, drop_last=True, ga=dict(n_step=3, micro_bs=2)),
     # per-rank BatchNorm (rank 1's inputs shifted: its statistics differ), BatchNormAccumulation('pool')
     bn_pool       = dict(sizes=[32,32], ga=dict(n_step=4), bn='pool', shift=1.),
     bn_pool_uneven= dict(sizes=[14,16], ga=dict(n_step=4), bn='pool', shift=1.),
@@ -160,6 +165,22 @@ def test_fastai_distrib_ctx(runs):
     assert r0['steps'] == 2 and r0['window_items'] == [32., 32.]   # 32 samples shared out: 16 per rank, 4 micro-batches
     for r in (r0, r1): check_one_round_per_step(r)
     assert not any(torch.equal(a[0], b[0]) for a,b in zip(r0['windows'], r1['windows']))   # each rank its own shard
+    check_large_batch(r0, r1)
+
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="fastai's `distrib_ctx` needs accelerate")
+@pytest.mark.parametrize('name,per_rank,bs,n_step', [('fastai_path_69_4_3', 35, 4, 3), ('fastai_path_60_8_4', 30, 8, 4),
+                                                     ('fastai_path_69_micro', 35, 4, 3)])
+def test_distrib_ctx_steps_the_epochs_last_window(runs, name, per_rank, bs, n_step):
+    """Under `distrib_ctx` with `drop_last=True` each rank steps the windows one process steps over the same shard
+    (`per_rank` items, the padded share; loader batches of `bs`, windows of `n_step`): the last one included, whatever
+    `len(DistributedDL)` says, and the weights are one large batch's per window over both ranks' samples"""
+    r0,r1 = get(runs, name)
+    batches = per_rank//bs
+    per_epoch = -(-batches//n_step)   # the last window partial, stepped ('step')
+    expect = [float(min(n_step, batches - i*n_step)*bs*2) for i in range(per_epoch)]*2   # global items, 2 epochs
+    for r in (r0, r1):
+        assert r['n_dropped'] == 0 and r['steps'] == 2*per_epoch and r['window_items'] == expect, (r['steps'], r['window_items'])
+    assert torch.equal(r0['params'], r1['params'])
     check_large_batch(r0, r1)
 
 # BatchNormAccumulation('pool') with per-rank BatchNorm ----------------------------------------------------------------
@@ -350,3 +371,19 @@ def test_micro_bs_under_fastai_distrib_ctx(runs):
     assert {m['bs'] for m in b0['micro']} == {2} and len(b0['micro']) == 2*len(a0['micro'])
     assert b0['steps'] == a0['steps'] == 4
     for a,b in ((a0, b0), (a1, b1)): assert rel_err(b['params'], a['params']) < TOL
+
+@needs_fsdp2
+def test_fsdp_error_on_one_rank_is_the_error_the_user_sees():
+    """Issue 43: a rank that raises inside `learn.fsdp_ctx()` used to gather the weights on its way out (a collective)
+    while the other rank was still training: the healthy rank aborted (SIGABRT, no traceback) and the real error was
+    never shown. Now the failed rank raises its own error at once, and that error is what the launch reports"""
+    import time
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r'rank 1 of 2 failed') as e:
+        launch_gloo(W.fsdp_raise_on_one_rank, timeout=20)
+    msg = str(e.value)
+    # the traceback ends with the original error, not with a collective's (before: "Connection reset by peer" after a
+    # gather, the other rank aborted by gloo's EnforceNotMet)
+    assert re.search(r'ValueError: [^\n]*\n\s*boom on rank 1\s*$', msg), msg[-600:]
+    assert 'another exception occurred' not in msg and 'from_fsdp' not in msg, msg[-600:]
+    assert time.perf_counter() - t < 60

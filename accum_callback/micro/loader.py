@@ -1,7 +1,7 @@
 """The training loader, cut: each loader batch into near-equal micro-batches (`piece_bounds`'s rule), read by fastai's loop
 in place of `learn.dl`; and `Piece`, what `GradientAccumulation` reads of the piece being run."""
 from __future__ import annotations
-import copy, random
+import copy, math, random
 from dataclasses import dataclass
 
 import torch
@@ -11,13 +11,42 @@ from fastai.torch_core import find_bs, to_device
 from ..distributed import is_distributed
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
-__all__ = ['Piece', 'MicroBatches', 'CutLoader', 'batch_sizes', 'model_device', 'own_loader', 'loader_pieces']
+__all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',
+           'loader_pieces']
 
 def batch_sizes(dl)->list:
-    "The loader's batch sizes in an epoch, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each"
-    n,bs,nb = getattr(dl, 'n', None),getattr(dl, 'bs', None),len(dl)
+    """The loader's batch sizes in an epoch, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each. fastai's
+    `DistributedDL` counts what each rank really reads (its `len` is the whole loader's over the world, often one more)"""
+    inner,world = getattr(dl, 'dl', None),getattr(dl, 'world_size', None)
+    if type(dl).__name__ == 'DistributedDL' and getattr(inner, 'n', None) is not None and world and getattr(dl, 'bs', None):
+        n,bs = math.ceil(inner.n/world),dl.bs   # every rank reads the padded share of the set
+        nb = n//bs if dl.drop_last else math.ceil(n/bs)
+    else: n,bs,nb = getattr(dl, 'n', None),getattr(dl, 'bs', None),len(dl)
     if n is None or not bs: return [bs or 1]*nb
     return [min(bs, n - i*bs) for i in range(nb)]
+
+def with_last(it):
+    "Yield `(item, is_last)` of an iterable: its end is where its iterator ends, whatever its `len` says (one item read ahead)"
+    it = iter(it)
+    try: cur = next(it)
+    except StopIteration: return
+    for nxt in it:
+        yield cur,False
+        cur = nxt
+    yield cur,True
+
+class ReadAhead:
+    """The training loader read one batch ahead, so that `last` tells whether the batch being run is the epoch's last
+    (fastai's loop knows only `len`, which a loader such as `DistributedDL`, a custom sampler or an iterable dataset can
+    overstate). Everything else is the real loader's. It holds one more batch than fastai does"""
+    def __init__(self, dl): self.dl,self.last = dl,False
+    def __getattr__(self, k):
+        if k == 'dl': raise AttributeError(k)
+        return getattr(self.dl, k)
+    def __len__(self)->int: return len(self.dl)
+    def __iter__(self):
+        self.last = False
+        for b,self.last in with_last(self.dl): yield b
 
 def model_device(model)->torch.device: "Where `model`'s parameters are (the CPU for a model without any)"; return next(iter(model.parameters()), torch.empty(0)).device
 
@@ -82,11 +111,11 @@ class MicroBatches:
         return rest + k
     def __iter__(self):
         nb,bs,mb = len(self.dl),self.dl.bs,self.mb
-        for bi,b in enumerate(self.dl):
+        for bi,(b,last) in enumerate(with_last(self.dl)):
             n = find_bs(b)
             # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
             self._nom = bs if (is_distributed(mb.learn.model) and bs) else None
-            p = self.piece = Piece(serial=mb.batch_started(n), batch_n=n, last_batch=bi == nb-1)
+            p = self.piece = Piece(serial=mb.batch_started(n), batch_n=n, last_batch=last)
             self.batch_index = bi
             if mb.rows: mb.rows.begin(n)   # a stateful model: the state this batch starts from, per row
             while p.start < n:
@@ -102,13 +131,13 @@ class MicroBatches:
     def progress(self)->float|None:
         "How far through the epoch's loader batches the micro-batch just run is"
         p = self.piece
-        return (self.batch_index + p.end/p.batch_n)/len(self.dl) if p.batch_n else None
+        return (self.batch_index + p.end/p.batch_n)/len(batch_sizes(self.dl)) if p.batch_n else None
 
 class CutLoader(Callback):
-    """Cuts the training loader into micro-batches once every callback that replaces it has (fastai's
-    `DistributedTrainer`, order 11, wraps `learn.dl` in `DistributedDL` in its `before_train`: cut before it, the pieces
-    were wrapped again and never cut), and before anything reads its length (the progress bar, order 60). Added by
-    `MicroBatching` for the length of a fit"""
+    """Replaces the training loader (cut into micro-batches by `MicroBatching`, read ahead by `GradientAccumulation`)
+    once every callback that replaces it has (fastai's `DistributedTrainer`, order 11, wraps `learn.dl` in
+    `DistributedDL` in its `before_train`: cut before it, the pieces were wrapped again and never cut), and before
+    anything reads its length (the progress bar, order 60). Added by its owner (`mb`) for the length of a fit"""
     order,run_valid = 12,False
     def __init__(self, mb): self.mb = mb
     def before_train(self): self.mb.start_train()
