@@ -23,14 +23,14 @@ from fastcore.basics import patch
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .check import Runner, copy_module, unwrap
-from .micro import micro_size, n_pieces
+from .micro import micro_batching, micro_size, n_pieces
 from .micro.loader import batch_sizes, loader_pieces, model_device, own_loader
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
-from .guard import in_inference, one_per_learner, refuse_at_fit_start
+from .guard import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .losses import loss_reduction
 from .precise import rngs_kept
-from .schedule import whole_number
+from .schedule import flag, whole_number
 
 __all__ = ['GradientNoiseScale', 'NoiseScaleSchedule', 'NoiseScaleReport', 'noise_estimates']
 
@@ -91,9 +91,10 @@ class GradientNoiseScale(Callback):
         v = self.log[k]
         return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v]).tolist() if v else []
 
-    def schedule(self, fraction:float=1., lo:int=1, hi:int|None=None, unit:str='items', warmup:int|None=None)->NoiseScaleSchedule:
+    def schedule(self, fraction:float=1., lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int|None=None)->NoiseScaleSchedule:
         """A window size that follows the measured noise scale: `GradientAccumulation(target_bs=noise.schedule(...))`,
-        from `lo` until `warmup` windows are measured (default: the moving average's span, `1/(1-beta)`)"""
+        from `lo` (default: two of the training loader's batches, the smallest window that is measured) until `warmup`
+        windows are measured (default: the moving average's span, `1/(1-beta)`)"""
         if warmup is None: warmup = round(1/(1-self.beta))
         s = NoiseScaleSchedule(self, fraction, lo, hi, unit, warmup)
         self.schedules.append(s)
@@ -109,6 +110,7 @@ class GradientNoiseScale(Callback):
         # a column of the Recorder for the fit (fastai's ValueMetric: the value at the end of each epoch's validation)
         self._metric = ValueMetric(self._epoch_value, 'noise_scale')
         self.learn.metrics = list(self.learn.metrics) + [self._metric]
+        add_fit_guard(self.learn, 'gradient_noise_scale', lambda e: self._unhook())   # a fit ended by an exception
 
     def refuse_fit(self):
         "What this fit is refused for (`guard.refuse_at_fit_start`): no windows to measure, gradients no rank holds whole"
@@ -116,6 +118,17 @@ class GradientNoiseScale(Callback):
         if ga is None:
             raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "
                              "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
+        mb = micro_batching(self.learn)
+        bs = getattr(self.dls.train, 'bs', None)
+        if mb is None and ga.n_step_sched is not None and ga.n_step_sched.kind == 'const' and ga.n_step_sched.const == 1:
+            raise ValueError("GradientNoiseScale compares a window's first micro-batch with the whole window, and "
+                             "`GradientAccumulation(n_step=1)` makes windows of one micro-batch: nothing would be measured. "
+                             "Give `n_step` >= 2 (or `micro_bs`, whose pieces make a window)")
+        for sc in self.schedules:
+            if sc.source is self and mb is None and bs and sc.lo is not None and sc.lo*sc.items_per_unit() <= bs:
+                raise ValueError(f"GradientNoiseScale.schedule(lo={sc.lo}): a window of at most the loader's batch ({bs} items) "
+                                 "is one micro-batch, which is never measured, so the window would never grow: give `lo` "
+                                 f"above {bs} items (e.g. lo={2*bs}), or leave it out (two micro-batches)")
         if ga.sharded_grads and is_fsdp(self.model):
             raise ValueError("GradientNoiseScale under FSDP2 with `GradientAccumulation(sharded_grads=True)`: the first "
                              "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
@@ -123,8 +136,13 @@ class GradientNoiseScale(Callback):
 
     def after_fit(self):
         if in_inference(self.learn) or self.ga is None: return
-        self.ga.remove_window_listener(self._closed)
+        self._unhook()
+
+    def _unhook(self):
+        "The fit is over, however it ended: the Learner's metrics and the window's listeners as they were"
+        if self.ga is not None: self.ga.remove_window_listener(self._closed)
         self.learn.metrics = [m for m in self.learn.metrics if m is not getattr(self, '_metric', None)]
+        remove_fit_guard(self.learn, 'gradient_noise_scale')
 
     def _epoch_value(self)->float: return self.b_simple
 
@@ -191,15 +209,24 @@ class NoiseScaleSchedule:
     measurement and until `warmup` windows are measured (a noisy first estimate would otherwise ratchet the window up).
     `GradientAccumulation` asks at each window's start, so every step stays the exact mean of its window, and the value
     depends on the measurements alone (under DDP the same on every rank)."""
-    def __init__(self, source, fraction:float=1., lo:int=1, hi:int|None=None, unit:str='items', warmup:int=0):
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:
-            raise ValueError(f"`fraction` must be a number > 0, got {fraction!r}")
-        lo = whole_number(lo, 'lo')
-        if hi is not None and whole_number(hi, 'hi') < lo: raise ValueError(f"`hi` ({hi}) must be >= `lo` ({lo})")
+    def __init__(self, source, fraction:float=1., lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int=0):
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (fraction > 0 and math.isfinite(fraction)):
+            raise ValueError(f"`fraction` must be a finite number > 0, got {fraction!r}")
+        if lo is not None: lo = whole_number(lo, 'lo')
+        if hi is not None and lo is not None and whole_number(hi, 'hi') < lo: raise ValueError(f"`hi` ({hi}) must be >= `lo` ({lo})")
+        if hi is not None: whole_number(hi, 'hi')
         if unit not in ('items', 'micro_batches'): raise ValueError(f"`unit` must be 'items' or 'micro_batches', got {unit!r}")
         self.warmup = whole_number(warmup, 'warmup', lo=0)
         self.source,self.fraction,self.lo,self.hi,self.unit,self.value = source,float(fraction),lo,hi,unit,lo
         self.history = []   # (optimizer step, value) each time it changed
+
+    def resolve_lo(self, learn=None)->int:
+        "`lo` in this schedule's unit; left out: two of the training loader's batches (the smallest window measured)"
+        if self.lo is not None: return self.lo
+        if self.unit == 'micro_batches': return 2
+        learn = learn or getattr(self.source, 'learn', None)
+        bs = getattr(getattr(getattr(learn, 'dls', None), 'train', None), 'bs', None) if learn is not None else None
+        return 2*int(bs or 1)
 
     def items_per_unit(self)->int:
         learn = getattr(self.source, 'learn', None)
@@ -207,9 +234,14 @@ class NoiseScaleSchedule:
         return 1 if self.unit == 'items' else max(1, int(bs or 1))
 
     def __call__(self, pct:float=0., epoch:int=0)->int:
+        lo = self.resolve_lo()
+        if self.hi is not None: lo = min(lo, self.hi)
+        if self.value is None or self.value < lo:
+            if getattr(self.source, 'learn', None) is None: return lo   # (checked before any Learner: `lo` not known yet)
+            self.value = lo
         b = self.source.b_simple
         if math.isfinite(b) and getattr(self.source, 'n_measured', math.inf) >= self.warmup:
-            v = max(self.lo, math.ceil(self.fraction*b/self.items_per_unit()))
+            v = max(lo, math.ceil(self.fraction*b/self.items_per_unit()))
             if self.hi is not None: v = min(v, self.hi)
             if v > self.value:
                 self.value = v
@@ -224,7 +256,9 @@ class NoiseScaleReport:
     """What `learn.noise_scale()` measured at the current weights: `b_simple` (ratio of the mean estimates of tr(S) and
     |G|^2 over `n_windows` windows), `interval` (95%, bootstrap over the windows), `g2` and `trace`, the micro-batch and
     window sizes in items (`b`, `B`), and what to accumulate to for an effective batch of B_simple with this loader:
-    `target_bs` and `n_step` (micro-batches of the loader's batch)"""
+    `target_bs` and `n_step` (micro-batches of the loader's batch). Where no estimate can be made (the mean gradient lost in
+    the noise, no finite window) `target_bs` and `n_step` are None and `reason` says why; `n_skipped`: windows left out
+    because a loss or gradient in them was not finite"""
     b_simple: float
     interval: tuple
     g2: float
@@ -232,33 +266,43 @@ class NoiseScaleReport:
     b: float
     B: float
     n_windows: int
-    target_bs: int
-    n_step: int
+    target_bs: int|None
+    n_step: int|None
     per_window: list = field(default_factory=list)
+    reason: str = ''
+    n_skipped: int = 0
 
     def __str__(self):
         lo,hi = self.interval
+        skipped = f", {self.n_skipped} non-finite left out" if self.n_skipped else ''
+        suggested = (f"target_bs={self.target_bs} (n_step={self.n_step} micro-batches of the loader's batch)"
+                     if self.target_bs is not None else f"nothing: {self.reason}")
         return '\n'.join(['noise_scale', '-'*72,
-            f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} windows)",
+            f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} windows{skipped})",
             f"|G|^2, tr(S)      {self.g2:.3g}, {self.trace:.3g}",
             f"measured with     micro-batches of {self.b:.3g} items in windows of {self.B:.3g}",
-            f"suggested         target_bs={self.target_bs} (n_step={self.n_step} micro-batches of the loader's batch)"])
+            f"suggested         {suggested}"])
     __repr__ = __str__
 
 def _ratio(g2, tr)->float:
+    "tr(S)/|G|^2 of the windows' mean estimates: nan where no noise is measured, inf where the mean gradient is lost in it"
     g,t = float(np.mean(g2)),float(np.mean(tr))
-    return t/g if g > 0 else math.inf
+    return _ratio_of(g, t)
 
 @patch
 def noise_scale(self:Learner,
     n_windows:int=16, # windows to measure over (each a training window's compute, no step)
     n_step:int|None=None, # micro-batches a window (default: the Learner's GradientAccumulation window, at least 8)
     seed:int=0, # which shuffled windows of the training loader
+    quiet:bool=True, # BatchNorm normalising with its running statistics and dropout off: only the data's noise is measured
 )->NoiseScaleReport:
     """Measure the gradient noise scale B_simple at the current weights over `n_windows` windows of the training loader
     (shuffled, with `seed`), on a copy of the model: no step, and the Learner's weights, optimizer, RNG states and
-    BatchNorm statistics are left as they were. Returns the estimate with a 95% interval and the `target_bs`/`n_step`
-    that accumulate an effective batch of B_simple"""
+    BatchNorm statistics are left as they were. `quiet` (the default): BatchNorm layers normalise with their running
+    statistics (training couples a micro-batch's samples through its statistics, which biases the estimate) and dropout
+    is off (its noise is not the data's); `quiet=False` measures the model as it trains. Returns the estimate with a 95%
+    interval and the `target_bs`/`n_step` that accumulate an effective batch of B_simple, or none, with the reason, where
+    it cannot be estimated"""
     n_windows = whole_number(n_windows, 'n_windows', lo=2)
     ga = next((cb for cb in self.cbs if isinstance(cb, GradientAccumulation)), None)
     if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)   # B - b large: a steadier |G|^2
@@ -268,6 +312,9 @@ def noise_scale(self:Learner,
         size = micro_size(self)
         dl = own_loader(self, shuffle=True, seed=seed)
         per_epoch = sum(n_pieces(n, size) if size else 1 for n in batch_sizes(dl))
+        if per_epoch < 1:
+            raise ValueError(f"noise_scale: the training loader gives no full batch of {getattr(dl, 'bs', '?')} items "
+                             f"(the training set holds {getattr(dl, 'n', '?')}): nothing to measure; use a smaller batch size")
         stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
         model = unwrap(self.model)
@@ -277,21 +324,42 @@ def noise_scale(self:Learner,
             bs,where = zip(*[next(stream) for _ in range(n_step)])
             if r is None: r = Runner(self, list(bs), model, ga, bna, list(where), dl)
             else: r.load(list(bs), list(where))
-            per.append(_window_norms(r, list(range(n_step))))
-    g2 = np.array([p['g2'] for p in per]); tr = np.array([p['trace'] for p in per])
+            per.append(_window_norms(r, list(range(n_step)), quiet=flag(quiet, 'quiet')))
+    return _report(per, n_windows, seed, getattr(self.dls.train, 'bs', None))
+
+def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
+    "The estimate over the finite windows of `per`, its bootstrap interval, and a suggestion only where one can be defended"
+    ok = [p for p in per if math.isfinite(p['g2']) and math.isfinite(p['trace'])]   # (training skips such windows too)
+    n_skipped = len(per) - len(ok)
+    b = float(np.mean([p['b'] for p in per])) if per else math.nan
+    B = float(np.mean([p['B'] for p in per])) if per else math.nan
+    if len(ok) < 2:
+        return NoiseScaleReport(b_simple=math.nan, interval=(math.nan, math.nan), g2=math.nan, trace=math.nan, b=b, B=B,
+                                n_windows=len(ok), target_bs=None, n_step=None, per_window=per, n_skipped=n_skipped,
+                                reason=f"{n_skipped} of {len(per)} windows gave a non-finite loss or gradient, fewer than 2 are left")
+    g2 = np.array([p['g2'] for p in ok]); tr = np.array([p['trace'] for p in ok])
     est = _ratio(g2, tr)
     rng = np.random.default_rng(seed)
-    boots = sorted(_ratio(g2[i], tr[i]) for i in (rng.integers(0, n_windows, n_windows) for _ in range(1000)))
-    b,B = float(np.mean([p['b'] for p in per])),float(np.mean([p['B'] for p in per]))
-    bs = getattr(self.dls.train, 'bs', None) or b
-    target = max(1, round(est)) if math.isfinite(est) else int(B)
-    return NoiseScaleReport(b_simple=est, interval=(boots[25], boots[974]), g2=float(g2.mean()), trace=float(tr.mean()),
-                            b=b, B=B, n_windows=n_windows, target_bs=target, n_step=max(1, math.ceil(target/bs)), per_window=per)
+    n = len(ok)
+    boots = sorted((_ratio(g2[i], tr[i]) for i in (rng.integers(0, n, n) for _ in range(1000))),
+                   key=lambda v: (math.isnan(v), v))   # (a resample with no noise measured sorts last)
+    interval = (boots[25], boots[974])
+    target,reason = None,''
+    if math.isfinite(est) and est > 0 and math.isfinite(interval[1]): target = max(1, round(est))
+    elif not float(np.mean(tr)) > 0: reason = "no gradient noise was measured (tr(S) <= 0): the windows' gradients agree"
+    else:   # |G|^2 <= 0, or resamples of the windows where it is: the mean gradient is not told from the noise
+        reason = (f"the mean gradient is lost in the noise (|G|^2 {float(np.mean(g2)):.3g} over {n} windows of {B:.3g} "
+                  f"items, not above 0 at 95%): B_simple is above {interval[0]:.3g} items; more or larger windows tell more")
+    per_unit = bs or b
+    return NoiseScaleReport(b_simple=est, interval=interval, g2=float(g2.mean()), trace=float(tr.mean()), b=b, B=B,
+                            n_windows=n, target_bs=target, n_step=None if target is None else max(1, math.ceil(target/per_unit)),
+                            per_window=per, reason=reason, n_skipped=n_skipped)
 
-def _window_norms(r:Runner, idxs:list)->dict:
-    """One window of the check's copy, micro-batch by micro-batch as training runs it: the mean of the micro-batches'
-    squared mean-gradient norms, the squared norm of the window's mean gradient, and the estimates from them"""
-    m = r.fresh(); r.modes(m, True, True)
+def _window_norms(r:Runner, idxs:list, quiet:bool=False)->dict:
+    """One window of the check's copy, micro-batch by micro-batch as training runs it (`quiet`: BatchNorm on its running
+    statistics, dropout off): the mean of the micro-batches' squared mean-gradient norms, the squared norm of the
+    window's mean gradient, and the estimates from them"""
+    m = r.fresh(); r.modes(m, not quiet, not quiet)
     ps = [p for p in m.parameters() if p.requires_grad]
     acc,items,small,inv_b = None,0.,[],[]
     summed = loss_reduction(r.learn.loss_func) == 'sum'

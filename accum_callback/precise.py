@@ -19,33 +19,58 @@ from .compat import BatchNormBase
 from .distributed import is_distributed
 from .micro.loader import loader_pieces
 
-__all__ = ['rngs_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'training_items', 'BatchNormReport']
+__all__ = ['rngs_kept', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
+           'training_items', 'BatchNormReport']
 
 class PopulationStats:
-    """One layer's inputs over many micro-batches, per channel: items `n`, sum and sum of squares (float64), from each
-    micro-batch's mean and population variance; `mean`, and `var` unbiased (BatchNorm's running convention)"""
-    def __init__(self): self.n,self.s1,self.s2 = 0.,None,None
-    def update(self, mean:torch.Tensor, var:torch.Tensor, n:int):
-        mean,var = mean.double(),var.double()
-        s1,s2 = mean*n,(var + mean.square())*n
-        self.s1,self.s2 = (s1,s2) if self.s1 is None else (self.s1 + s1,self.s2 + s2)
-        self.n += n
-    def sum_over_ranks(self):
-        "Every rank's items together (one all-reduce of count, sums and sums of squares)"
-        t = torch.cat([self.s1, self.s2, self.s1.new_tensor([self.n])])
-        dist.all_reduce(t)
-        c = len(self.s1)
-        self.s1,self.s2,self.n = t[:c],t[c:2*c],float(t[-1])
+    """One layer's inputs over many micro-batches, per channel, in float64: items `n`, `mean` and `m2` (the sum of
+    squared deviations from the mean), pooled from each micro-batch's mean and population variance by Chan et al.'s
+    update (no sum of squares, which cancels catastrophically for inputs far from zero: offset 1e4, sd 0.01); `var` is
+    unbiased (BatchNorm's running convention)"""
+    def __init__(self): self.n,self.mu,self.m2 = 0.,None,None
     @property
-    def mean(self)->torch.Tensor: return self.s1/self.n
+    def s1(self): "The per-channel sum (None before the first micro-batch)"; return None if self.mu is None else self.mu*self.n
+    def update(self, mean:torch.Tensor, var:torch.Tensor, n:int):
+        mean,m2 = mean.double(),var.double()*n
+        if self.mu is None: self.n,self.mu,self.m2 = float(n),mean,m2; return
+        tot = self.n + n
+        d = mean - self.mu
+        self.mu = self.mu + d*(n/tot)
+        self.m2 = self.m2 + m2 + d.square()*(self.n*n/tot)
+        self.n = tot
+    def sum_over_ranks(self):
+        "Every rank's items together (two all-reduces: the counts and sums, then the deviations about the global mean)"
+        c = len(self.mu)
+        t = torch.cat([self.mu*self.n, self.mu.new_tensor([self.n])])
+        dist.all_reduce(t)
+        n,mu = float(t[-1]),t[:c]/float(t[-1])
+        m2 = self.m2 + self.n*(self.mu - mu).square()
+        dist.all_reduce(m2)
+        self.n,self.mu,self.m2 = n,mu,m2
+    @property
+    def mean(self)->torch.Tensor: return self.mu
     @property
     def var(self)->torch.Tensor:
         "The unbiased variance (what BatchNorm keeps as `running_var`)"
-        return (self.s2/self.n - self.mean.square()).clamp_min(0)*(self.n/max(self.n-1, 1))
+        return self.m2/max(self.n-1, 1)
 
 def bn_layers_with_stats(model:nn.Module)->list:
     "The BatchNorm layers (Batch Renorm's included) that keep running statistics"
     return [m for m in model.modules() if isinstance(m, BatchNormBase) and m.running_mean is not None]
+
+def trained_bn_layers(model:nn.Module, learn=None)->list:
+    """The BatchNorm layers whose running statistics training updates: in a model in training mode, those in training
+    mode (a layer frozen in eval, by fastai's `BnFreeze` or by hand, keeps its statistics); in a model in eval mode (after
+    fit), those training would put in training mode: all, but for what `learn`'s `BnFreeze` (a layer whose parameters
+    do not train) or `BatchNormAccumulation('freeze')` freezes"""
+    bns = bn_layers_with_stats(model)
+    if model.training: return [bn for bn in bns if bn.training]
+    if learn is None: return bns
+    from fastai.callback.training import BnFreeze
+    if any(type(cb).__name__ == 'BatchNormAccumulation' and getattr(cb, 'mode', None) == 'freeze' for cb in learn.cbs): return []
+    if any(isinstance(cb, BnFreeze) for cb in learn.cbs):
+        return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False)) or not list(bn.parameters(recurse=False))]
+    return bns
 
 class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
@@ -63,15 +88,17 @@ def rngs_kept():
         random.setstate(saved[2]); np.random.set_state(saved[3])
 
 @torch.no_grad()
-def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext)->dict:
-    """`{layer: PopulationStats}` of every BatchNorm layer's inputs over `batches` (each an input or a tuple of inputs
-    to `forward`, default `model(*xb)`), run with the BatchNorm layers in training mode (each micro-batch normalised by
-    its own statistics) and everything else in eval mode (no dropout). Nothing of the model changes: modes, buffers and
-    Batch Renorm's step counters are put back, and every RNG. `ctx()` wraps each forward (autocast, say). Under DDP or
-    FSDP2 (a sharded model or a running process group with a distributed `model`) the statistics are every rank's:
-    every rank must pass the same number of batches."""
+def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext, layers:list|None=None)->dict:
+    """`{layer: PopulationStats}` of the inputs of the BatchNorm `layers` (default `trained_bn_layers(model)`: those
+    training updates, not the ones frozen in eval mode) over `batches` (each an input or a tuple of inputs to `forward`,
+    default `model(*xb)`), run with those layers in training mode (each micro-batch normalised by its own statistics)
+    and everything else in eval mode (no dropout; frozen BatchNorm layers normalise with their running statistics, as
+    in training). The statistics are float64 sums of each micro-batch's statistics, computed in the input's precision
+    (float32 at least). Nothing of the model changes: modes, buffers and Batch Renorm's step counters are put back, and
+    every RNG. `ctx()` wraps each forward (autocast, say). Under DDP or FSDP2 (a sharded model or a running process
+    group with a distributed `model`) the statistics are every rank's: every rank must pass the same number of batches."""
     forward = forward or (lambda xb: model(*xb))
-    bns = bn_layers_with_stats(model)
+    bns = trained_bn_layers(model) if layers is None else list(layers)
     n_items = 0
     stats = _Stats({bn: PopulationStats() for bn in bns})
     modes = [(m, m.training) for m in model.modules()]
@@ -81,7 +108,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
         def pre(mod, inp):
             x = inp[0]
             dims = [0] + list(range(2, x.ndim))
-            var,mean = torch.var_mean(x.float(), dim=dims, correction=0)
+            var,mean = torch.var_mean(x if x.dtype == torch.float64 else x.float(), dim=dims, correction=0)
             stats[mod].update(mean, var, x.numel()//x.shape[1])
         return bn.register_forward_pre_hook(pre)
     handles = [hook(bn) for bn in bns]
@@ -107,11 +134,11 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     return stats
 
 @torch.no_grad()
-def update_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext)->int:
-    """Recompute every BatchNorm layer's `running_mean` and `running_var` from `batches` (`precise_bn_stats`) and
-    write them in; `num_batches_tracked` and everything else are left alone. Returns the items (samples) of the
-    batches, all ranks together"""
-    stats = precise_bn_stats(model, batches, forward, ctx)
+def update_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext, layers:list|None=None)->int:
+    """Recompute the `running_mean` and `running_var` of the BatchNorm `layers` (default: those training updates, see
+    `trained_bn_layers`) from `batches` (`precise_bn_stats`) and write them in; `num_batches_tracked`, frozen layers and
+    everything else are left alone. Returns the items (samples) of the batches, all ranks together"""
+    stats = precise_bn_stats(model, batches, forward, ctx, layers)
     for bn,s in stats.items():
         if s.s1 is None: continue   # a layer no batch reached
         bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype)); bn.running_var.copy_(s.var.to(bn.running_var.dtype))
@@ -167,7 +194,11 @@ def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
         raise ValueError("check_batchnorm: the model has no BatchNorm layer with running statistics: nothing to check")
     copy = copy_module(model)
     names = {m: n for n,m in copy.named_modules()}
-    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn)))
+    trained = {id(bn) for bn in trained_bn_layers(model, learn)}   # frozen layers are not stale: they are kept
+    layers = [c for o,c in zip(model.modules(), copy.modules()) if id(o) in trained and getattr(c, 'running_mean', None) is not None]
+    if not layers: raise ValueError("check_batchnorm: every BatchNorm layer is frozen (BnFreeze, 'freeze'): training keeps "
+                                    "their statistics as they are, so there is nothing to recompute")
+    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn)), layers=layers)
     layers = []
     for bn,s in stats.items():
         if s.s1 is None: continue
@@ -176,13 +207,13 @@ def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
         dv = float((bn.running_var.double() - s.var).norm()/s.var.norm().clamp_min(1e-30))
         layers.append((names[bn] or '<root>', dm, dv))
     worst = sorted(layers, key=lambda l: -max(l[1], l[2]))[:3]
-    with learn.no_bar(): running = [float(v) for v in learn.validate()]
+    with learn.no_bar(), recorder_kept(learn): running = [float(v) for v in learn.validate()]
     for bn,s in stats.items():
         if s.s1 is not None: bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype)); bn.running_var.copy_(s.var.to(bn.running_var.dtype))
     saved = learn.model
     learn.model = copy
     try:
-        with learn.no_bar(): precise = [float(v) for v in learn.validate()]
+        with learn.no_bar(), recorder_kept(learn): precise = [float(v) for v in learn.validate()]
     finally: learn.model = saved
     names_ = ['valid_loss'] + [getattr(m, 'name', type(m).__name__) for m in learn.metrics]
     better = precise[0] < running[0]
@@ -191,6 +222,16 @@ def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
               "the running statistics serve the current weights as well as recomputed ones: nothing to do")
     return BatchNormReport(layers=layers, worst=worst, names=names_, running=running, precise=precise,
                            n_items=stats.n_items, advice=advice)
+
+@contextlib.contextmanager
+def recorder_kept(learn):
+    "The Recorder's history (losses, values, lrs, iters) as it was after the block: fastai's `validate()` empties it"
+    rec = getattr(learn, 'recorder', None)
+    keys = [k for k in ('lrs', 'iters', 'losses', 'values', 'log') if rec is not None and hasattr(rec, k)]
+    saved = {k: getattr(rec, k) for k in keys}
+    try: yield
+    finally:
+        for k,v in saved.items(): setattr(rec, k, v)
 
 @patch
 def check_batchnorm(self:Learner,

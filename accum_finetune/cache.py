@@ -7,13 +7,14 @@ second run on the same folder decodes nothing, a changed, added or removed file 
 It is written to a temporary name and renamed when complete, so an interrupted run leaves nothing that is ever read; a
 corrupt image is one clear error naming the file, with nothing of that cache left behind."""
 from __future__ import annotations
-import hashlib, json, math, os, tempfile
+import hashlib, json, math, os, tempfile, zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ['CACHE_VERSION', 'MARGIN', 'split_items', 'decode', 'cached_split', 'CachedImages', 'cached_dls', 'inference_dls']
+__all__ = ['CACHE_VERSION', 'MARGIN', 'CacheError', 'split_items', 'decode', 'cached_split', 'CachedImages', 'cached_dls',
+           'inference_dls']
 
 CACHE_VERSION = 2   # 2: stored (N, 3, H, W)
 MARGIN = 8/7   # training images are cached this much larger (224 -> 256), for the random-resized crop to the size
@@ -36,29 +37,110 @@ def decode(f:Path, size:int)->np.ndarray:
     return np.asarray(Resize(size)(PILImage.create(f), split_idx=1).convert('RGB'))
 
 def _key(files:list, size:int)->str:
-    h = hashlib.sha256(json.dumps([CACHE_VERSION, size] + [(str(Path(f).resolve()), *(lambda s: (s.st_size, s.st_mtime_ns))(os.stat(f)))
+    # a file's change time too: an image replaced by one of the same size and modification time is still noticed
+    h = hashlib.sha256(json.dumps([CACHE_VERSION, size] + [(str(Path(f).resolve()), *(lambda s: (s.st_size, s.st_mtime_ns, s.st_ctime_ns))(os.stat(f)))
                                                           for f in files]).encode())
     return h.hexdigest()[:16]
 
+class CacheError(OSError):
+    "The cache folder cannot be used (not a folder, read-only, full): the job says so in one line (exit 2)"
+
+def _usable_folder(folder:Path)->Path:
+    "`folder`, created if need be, or a `CacheError` saying why it cannot hold the cache and what to do"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK): raise PermissionError(13, 'not writable')
+    except OSError as e:
+        why = 'it is a file' if isinstance(e, FileExistsError) or (folder.exists() and not folder.is_dir()) else \
+              'a parent is a file' if isinstance(e, NotADirectoryError) else (e.strerror or type(e).__name__).lower()
+        raise CacheError(f"--cache {folder}: cannot keep the decoded images there ({why}): give another folder, or "
+                         "--cache off (decode every image in every epoch)") from None
+    return folder
+
+def _stale_parts(folder:Path):
+    "Half-written caches (`.NAME-PID-*.npy.part`) of processes that are gone (killed mid-build): removed"
+    for p in [*folder.glob('.*.npy.part'), *folder.glob('.*.npy.part.crc32')]:
+        try: pid = int(p.name.split('-')[-2])
+        except (ValueError, IndexError): pid = None
+        if pid is not None and pid != os.getpid():
+            try: os.kill(pid, 0); continue   # its builder still runs
+            except ProcessLookupError: pass
+            except PermissionError: continue
+        elif pid == os.getpid(): continue
+        p.unlink(missing_ok=True)
+
+FULL_CHECK_BYTES = 256 << 20   # a cache up to this size is checked whole when opened; a larger one on a sample of rows
+SAMPLE_ROWS = 1024
+
+def _load(path:Path, n:int, size:int):
+    """The cache at `path` memory-mapped, or None when it is damaged: its header or its length is not that of `n`
+    images at `size` (a copy cut short, a rename never synced before a power loss), or a row's CRC-32, recorded beside
+    it when built, does not match (bytes changed in place). Every row is checked up to `FULL_CHECK_BYTES` (about 1 GB/s),
+    `SAMPLE_ROWS` rows drawn at random above (docs/main_job.md: the limit)"""
+    try:
+        arr = np.load(path, mmap_mode='r')
+        ok = arr.shape == (n, 3, size, size) and arr.dtype == np.uint8 and path.stat().st_size == arr.offset + arr.nbytes
+        crcs = np.loadtxt(_checksum_file(path), dtype=np.uint32, ndmin=1) if ok else None
+    except (ValueError, OSError, EOFError): return None
+    if not ok or len(crcs) != n: return None
+    rows = range(n) if arr.nbytes <= FULL_CHECK_BYTES else np.random.default_rng().choice(n, min(n, SAMPLE_ROWS), replace=False)
+    if any(zlib.crc32(np.ascontiguousarray(arr[i]).data) != crcs[i] for i in rows): return None
+    return arr
+
+def _umask()->int:
+    m = os.umask(0); os.umask(m); return m
+
+def _checksum_file(path:Path)->Path: return path.with_suffix('.crc32')
+
+def _write_durably(tmp:Path, dest:Path, text:str|None=None):
+    "fsync `tmp`, rename it to `dest`, fsync the folder: after a power loss the name points at the whole file or at none"
+    with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
 def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray:
     """The images `files` at `size`, memory-mapped from `folder` (built first if the folder has none for exactly these
-    files and size). `name` tells this split's cache from the others of the same data (its older versions are removed
-    when a new one is built); `error(f, e)` makes the exception for a file that cannot be read"""
-    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    files and size, or if the one there is damaged: rebuilt with one warning). `name` tells this split's cache from the
+    others of the same data (its older versions are removed when a new one is built); `error(f, e)` makes the exception
+    for a file that cannot be read. A folder that cannot hold it, or a disk that fills up while building, is a
+    `CacheError`, with nothing half-written left behind"""
+    folder = _usable_folder(Path(folder))
     path = folder/f'{name}-{size}px-{_key(files, size)}.npy'
-    if path.is_file(): return np.load(path, mmap_mode='r')
-    fd,tmp = tempfile.mkstemp(prefix=f'.{name}-', suffix='.npy.part', dir=folder); os.close(fd)
+    if path.is_file():
+        arr = _load(path, len(files), size)
+        if arr is not None: return arr
+        import warnings
+        warnings.warn(f"accum-finetune: the decode cache {path} is damaged (cut short or changed since it was built): "
+                      "building it again", stacklevel=2)
+        path.unlink(missing_ok=True)
+    _stale_parts(folder)
+    fd,tmp = tempfile.mkstemp(prefix=f'.{name}-{os.getpid()}-', suffix='.npy.part', dir=folder)
+    tmp = Path(tmp)
     try:
-        arr = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.uint8, shape=(len(files), 3, size, size))   # NCHW, as torch
-        for i,f in enumerate(files):
-            try: arr[i] = decode(f, size).transpose(2, 0, 1)
-            except Exception as e: raise error(f, e) from None
-        arr.flush(); del arr
-        os.replace(tmp, path)   # complete: only now does it have the name that is read
+        # written with plain file writes, not a memory map: a full disk is an OSError here, not a SIGBUS later
+        with os.fdopen(fd, 'wb') as f:
+            np.lib.format.write_array_header_1_0(f, dict(descr='|u1', fortran_order=False, shape=(len(files), 3, size, size)))
+            crcs = []
+            for f_ in files:
+                try: row = np.ascontiguousarray(decode(f_, size).transpose(2, 0, 1))   # NCHW, as torch
+                except Exception as e: raise error(f_, e) from None
+                f.write(row.data); crcs.append(zlib.crc32(row.data))
+        sums = tmp.with_name(tmp.name + '.crc32')
+        sums.write_text('\n'.join(map(str, crcs)) + '\n')
+        mode = 0o666 & ~_umask()   # readable by whoever the folder is shared with (mkstemp makes 0600)
+        os.chmod(tmp, mode); os.chmod(sums, mode)
+        _write_durably(sums, _checksum_file(path))
+        _write_durably(tmp, path)   # complete: only now does it have the name that is read
+    except OSError as e:
+        raise CacheError(f"--cache {folder}: cannot write the decoded images ({e.strerror or e}): free space there, give "
+                         "another folder, or --cache off") from None
     finally:
-        if os.path.exists(tmp): os.remove(tmp)
+        tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + '.crc32').unlink(missing_ok=True)
     for old in folder.glob(f'{name}-{size}px-*.npy'):   # the versions before (changed files): never read again
-        if old != path: old.unlink(missing_ok=True)
+        if old != path: old.unlink(missing_ok=True); _checksum_file(old).unlink(missing_ok=True)
     return np.load(path, mmap_mode='r')
 
 def _loader_class():

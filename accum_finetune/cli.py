@@ -206,6 +206,10 @@ def main(argv=None, prog:str=PROG)->int:
     try: return _run(check_args(make_parser(prog).parse_args(argv)))
     except KeyboardInterrupt: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
     except UsageError as e: return _fail(e, prog)
+    except OSError as e:
+        from .cache import CacheError
+        if not isinstance(e, CacheError): raise
+        return _fail(e, prog)
     except ValueError as e:
         from .data import DataError
         from .models import ArchError

@@ -66,6 +66,12 @@ def digits_dls(bs:int, classes=DIGITS_FINETUNE, size:int=32, valid_pct:float=0.2
 
 SPLIT_DIRS = ('train', 'valid')   # fastai's `from_folder` defaults
 
+def image_exts()->set:
+    """The extensions of the files fastai's `get_image_files` takes (every image type the system knows: .svg and .ico
+    too), so that the folder check decodes every file training will read, not only the common ones (`IMAGE_EXTS`)"""
+    from fastai.data.transforms import image_extensions
+    return IMAGE_EXTS | set(image_extensions)
+
 def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
     "`{class: [files]}` of the class sub-folders of `folder`, every image decoded once to check it (`decode`)"
     from PIL import Image
@@ -73,7 +79,7 @@ def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
     if not classes: raise DataError(f"--data {path}: {folder} has no class sub-folders (expected one sub-folder of images per class)")
     found = {}
     for c in classes:
-        files = sorted(f for f in c.rglob('*') if f.is_file() and f.suffix.lower() in IMAGE_EXTS)
+        files = sorted(f for f in c.rglob('*') if f.is_file() and f.suffix.lower() in image_exts())
         if not files: raise DataError(f"--data {path}: class folder {c} has no images")
         for f in (files if decode else ()):
             try:

@@ -146,13 +146,19 @@ def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True
     return dict(accuracy=accs[-1], valid_loss=float(rec.values[-1][1]), accuracy_per_epoch=accs,
                 micro_bs=(mb.size if mb is not None else None) or bs, loader_bs=bs, effective_bs=bs*job['n_step'], n_step=job['n_step'],
                 micro_bs_mode='auto' if mb is not None and mb.auto else 'fixed',
-                micro_bs_trials={str(k): round(v, 1) for k,v in (mb.trials if mb is not None else {}).items()}, bn=job['bn'], bn_precise=job['bn_precise'], bn_requested=job['bn_requested'],
+                micro_bs_trials={str(k): round(v, 1) for k,v in (mb.trials if mb is not None else {}).items()}, bn=job['bn'],
+                bn_precise=_precise_items(learn, job['bn_precise']), bn_requested=job['bn_requested'],
                 epochs=epochs, optimizer_steps=ga.steps, lr=lr, seed=job['seed'], arch=job['arch'],
                 weights=job['weights'], pretrained=job['pretrained'],
                 n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1),
                 device=describe_device(next(learn.model.parameters()).device), precision=job['precision'],
                 images_per_s=round(tp.images_per_s, 1), peak_memory_mib=round(tp.peak_memory_mib, 1),
                 classes=[str(c) for c in getattr(dls, 'vocab', [])])
+
+def _precise_items(learn, asked):
+    "The items the running statistics were last recomputed from (all of a training set smaller than `asked`), or None"
+    bna = getattr(learn, 'batch_norm_accumulation', None)
+    return getattr(bna, 'precise_items', None) if asked else None
 
 # -- outputs --------------------------------------------------------------------------------------------------------
 def plot_training(learn:Learner, metrics:dict, fname):

@@ -388,7 +388,7 @@ def test_each_image_is_decoded_once_ever(tmp_path, decodes):
     data,cache = make_folder(tmp_path/'imgs', size=40),tmp_path/'cache'
     m = run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'a')
     assert sorted(decodes) == sorted(str(f) for f in data.rglob('*.png')) and m['augment'] is True
-    assert sorted(p.name.split('-', 1)[1].rsplit('-', 1)[0] for p in cache.iterdir()) == ['train-37px', 'valid-32px']
+    assert sorted(p.name.split('-', 1)[1].rsplit('-', 1)[0] for p in cache.glob('*.npy')) == ['train-37px', 'valid-32px']
     decodes.clear()
     m2 = run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'b')
     assert decodes == [] and (m2['accuracy'], m2['valid_loss']) == (m['accuracy'], m['valid_loss'])
@@ -412,13 +412,14 @@ def test_without_augmentation_the_cache_trains_as_fastais_pipeline(tmp_path):
 def test_a_changed_file_rebuilds_an_interrupted_build_is_never_read(tmp_path, decodes):
     data,cache = make_folder(tmp_path/'imgs', size=40),tmp_path/'cache'
     run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'a')
-    before = sorted(p.name for p in cache.iterdir())
+    before = sorted(p.name for p in cache.glob('*.npy'))
     # a half-written cache of another run (killed mid-way) lies there: it is never read
     (cache/'.x-train-37px.npy.part').write_bytes(b'half')
     f = data/'class0'/'3.png'; Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(f)   # changed: size and time
     decodes.clear()
     run_job('--data', data, *JOB, '--cache', cache, '--out', tmp_path/'b')
-    after = sorted(p.name for p in cache.iterdir() if not p.name.startswith('.'))
+    after = sorted(p.name for p in cache.glob('*.npy'))
+    assert not list(cache.glob('.*.part*'))   # the half-written cache of a process that is gone: cleaned up
     assert len(after) == 2 and set(after) != set(before)   # the changed split's cache rebuilt, the old one gone
     assert len(decodes) in (9, 21) and str(f) in decodes   # only that split decoded again
 
@@ -439,3 +440,89 @@ def test_augmentation_on_the_device_changes_training_batches_only():
     assert a.shape == (8, 3, 32, 32) and not torch.equal(a, b)
     plain = digits_dls(8, augment=False)
     assert torch.equal(dls.valid.one_batch()[0], plain.valid.one_batch()[0])
+
+# -- issue 41/37: files that survive a cut, folders and disks that cannot hold the cache ------------------------------------
+def _split_args(tmp_path, n=6, size=20):
+    from accum_finetune.data import _unreadable
+    data = make_folder(tmp_path/'imgs', n_classes=2, n=n, size=size)
+    files = sorted((data/'class0').glob('*.png')) + sorted((data/'class1').glob('*.png'))
+    return files,_unreadable(data)
+
+def test_a_damaged_cache_is_rebuilt_with_one_warning(tmp_path):
+    """A cache cut short (what a power loss leaves after a rename never synced, or a copy cut short) ended every later
+    run with numpy's 'mmap length is greater than file size'; bytes changed in place went unnoticed. Both are rebuilt,
+    with one warning, to the same pixels"""
+    from accum_finetune.cache import cached_split
+    files,err = _split_args(tmp_path)
+    cache = tmp_path/'cache'
+    good = np.array(cached_split(files, 16, cache, 'x-train', err))
+    path = next(cache.glob('*.npy'))
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())   # readable beside its owner (mkstemp gives 0600)
+    for damage in ('truncate', 'zero'):
+        raw = bytearray(path.read_bytes())
+        if damage == 'truncate': path.write_bytes(raw[:len(raw)//2])
+        else: raw[-100:] = bytes(100); path.write_bytes(raw)
+        with pytest.warns(UserWarning, match='damaged.*building it again') as w:
+            again = np.array(cached_split(files, 16, cache, 'x-train', err))
+        assert len(w) == 1 and np.array_equal(again, good), damage
+    with warnings.catch_warnings():
+        warnings.simplefilter('error'); cached_split(files, 16, cache, 'x-train', err)   # whole again: no warning
+
+def _umask():
+    import os
+    m = os.umask(0); os.umask(m); return m
+
+def test_half_written_caches_of_dead_processes_are_cleaned_up(tmp_path):
+    import os
+    from accum_finetune.cache import cached_split
+    files,err = _split_args(tmp_path)
+    cache = tmp_path/'cache'; cache.mkdir()
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True).stdout.strip()
+    (cache/f'.x-train-{dead}-abc.npy.part').write_bytes(b'half')
+    (cache/f'.x-train-{os.getppid()}-abc.npy.part').write_bytes(b'half')   # a live builder's: kept
+    cached_split(files, 16, cache, 'x-train', err)
+    assert sorted(p.name for p in cache.glob('.*')) == [f'.x-train-{os.getppid()}-abc.npy.part']
+
+@pytest.mark.parametrize('case', ['parent_is_a_file', 'cache_is_a_file'])
+def test_an_unusable_cache_folder_is_one_line_exit_2(tmp_path, case, capsys):
+    "Was a traceback and exit 1 (NotADirectoryError, FileExistsError)"
+    from accum_finetune.cli import main
+    data = make_folder(tmp_path/'imgs', n_classes=2, size=20)
+    (tmp_path/'f').write_text('a file')
+    cache = tmp_path/'f'/'cache' if case == 'parent_is_a_file' else tmp_path/'f'
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        assert main(['--data', str(data), '--cache', str(cache), '--out', str(tmp_path/'out'), '--epochs', '1']) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and f'--cache {cache}' in err[0] and '--cache off' in err[0], err
+    assert not (tmp_path/'out').exists()
+
+def test_a_full_disk_while_building_is_one_line_and_leaves_nothing(tmp_path):
+    """A full disk while building the cache killed the job with SIGBUS (exit 135, no message: the cache was a memory map)
+    and left a full-size .part file; a file-size limit gave a traceback. The cache is written with plain writes now: one
+    line, exit 2, nothing half-written left (a file-size limit stands in for the full disk)"""
+    import resource
+    data = make_folder(tmp_path/'imgs', n_classes=2, n=20, size=64)
+    cache,out = tmp_path/'cache',tmp_path/'out'
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+    res = subprocess.run([sys.executable, '-m', 'accum_callback', '--data', str(data), '--cache', str(cache), '--size', '64',
+                          '--out', str(out), '--epochs', '1'], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         preexec_fn=limit)
+    assert res.returncode == 2, (res.returncode, res.stderr[-800:])
+    check_error(res, out, f'--cache {cache}', 'cannot write')
+    assert not cache.exists() or not [p for p in cache.iterdir()], list(cache.iterdir())
+
+def test_files_fastai_would_read_are_checked_without_the_cache(tmp_path):
+    """--cache off: an .svg or a garbage .ico in a class folder crashed mid-training (fastai's file listing takes every
+    image type, the check decoded 8 extensions). Now the check decodes what fastai will read: one line, exit 2"""
+    data = make_folder(tmp_path/'imgs', n_classes=2, size=20)
+    bad = data/'class1'/'logo.svg'; bad.write_text('<svg xmlns="http://www.w3.org/2000/svg"></svg>')
+    out = tmp_path/'out'
+    check_error(run_cli('--data', data, '--cache', 'off', '--out', out, '--epochs', '1'), out, bad)
+
+def test_bn_precise_reports_the_items_it_recomputed_from(cache, tmp_path):
+    "Issue 41: the job reported `bn_precise: 512` on a folder of 21 training images (the statistics came from 21)"
+    data = make_folder(tmp_path/'imgs')
+    m = run_job('--data', data, '--bn', 'pool', '--bn-precise', 512, '--epochs', 1, '--valid-pct', 0.3, '--device', 'cpu',
+                '--cache', tmp_path/'cache', '--out', tmp_path/'out')
+    assert m['bn_precise'] == m['n_train'] == 21, m

@@ -167,9 +167,65 @@ def test_plot_and_bad_input():
     with pytest.raises(ValueError, match=r'GradientAccumulation\(n_step'): fit_quiet(bare, 1)
     learn.validate()   # inference: no measurement, nothing raised
 
-def test_a_window_of_one_micro_batch_measures_nothing():
-    learn,noise,_ = measured(64, 1, epochs=1)
-    assert learn.gradient_accumulation.steps == 16 and noise.values('g2') == [] and math.isnan(noise.b_simple)
+def test_a_window_of_one_micro_batch_is_refused_not_measured_silently():
+    """Issue 41: `n_step=1` measured nothing, silently (B_simple nan after the fit). Refused at fit start, naming n_step;
+    with `micro_bs` a window of one loader batch holds several micro-batches and is measured"""
+    with pytest.raises(ValueError, match=r'n_step=1.*nothing would be measured'): measured(64, 1, epochs=1)
+    learn,noise,_ = measured(16, 1, epochs=1, micro_bs=8)
+    assert learn.gradient_accumulation.steps == 64 and len(noise.values('g2')) == 64 and math.isfinite(noise.b_simple)
+
+def _noise_learner(bs=8, ga=None, cbs=(), n=N, ds=None):
+    noise = GradientNoiseScale()
+    ds = ds if ds is not None else data(n)
+    model = nn.Linear(ds.tensors[0].shape[-1], 1, bias=False).double()
+    ga = GradientAccumulation(**(ga or dict(n_step=8))) if not callable(ga) else ga(noise)
+    learn = make_learner(ds, bs, cbs=[ga, noise, *cbs], model=model, lr=0., dtype=F64, loss_func=linear_loss)
+    return learn,noise
+
+def test_schedule_defaults_grow_and_a_lo_of_one_micro_batch_is_refused():
+    """Issue 41: `schedule()` at its defaults (lo=1) gave windows of one micro-batch, never measured: after 3 epochs no
+    measurement, no warning. `lo` left out is two loader batches now, and the window grows; a `lo` of at most one loader
+    batch is refused at fit start, naming `lo`"""
+    learn,noise = _noise_learner(ga=lambda noise: GradientAccumulation(target_bs=noise.schedule(warmup=4)))
+    fit_quiet(learn, 1)
+    sched = noise.schedules[0]
+    assert noise.n_measured > 4 and math.isfinite(noise.b_simple) and sched.value > 16 and max(learn.gradient_accumulation.window_sizes) > 16
+    for lo in (1, 8):
+        learn,noise = _noise_learner(ga=lambda noise: GradientAccumulation(target_bs=noise.schedule(lo=lo)))
+        with pytest.raises(ValueError, match=rf'schedule\(lo={lo}\).*never measured'): fit_quiet(learn, 1)
+    learn,noise = _noise_learner(ga=lambda noise: GradientAccumulation(n_step=noise.schedule(lo=1, unit='micro_batches')))
+    with pytest.raises(ValueError, match='lo=1'): fit_quiet(learn, 1)
+    with pytest.raises(ValueError, match='fraction'): noise.schedule(fraction=math.inf)
+
+def test_a_failed_fit_leaves_no_metric_behind():
+    "Issue 41: a fit ended by an exception left `noise_scale` in `learn.metrics` (twice in the next fit's table)"
+    for exc in (RuntimeError, KeyboardInterrupt):
+        learn,noise = _noise_learner(n=128)
+        metrics = list(learn.metrics)
+        class Raise(Callback):
+            def after_batch(self, exc=exc):
+                if self.training and self.iter == 3: raise exc('stop')
+        with pytest.raises(exc): fit_quiet(learn, 1, cbs=[Raise()])
+        assert list(learn.metrics) == metrics
+        with learn.no_bar(): assert len(learn.validate()) == 1 + len(metrics)
+
+def test_noise_scale_says_why_it_cannot_estimate():
+    """Issue 41/40: a window holding a nan item made `learn.noise_scale()` report inf (95% '123 to inf') and suggest a
+    target_bs; the non-finite window is left out now (training skips it too). A mean gradient lost in the noise gives
+    no suggestion and says so in words, with the bound the windows can defend. A set smaller than one batch is a clear
+    error (it was a bare StopIteration)"""
+    ds = data(256)
+    ds.tensors[0][5, 0] = math.nan
+    learn,_ = _noise_learner(ds=ds)
+    r = learn.noise_scale(n_windows=8)
+    assert r.n_skipped >= 1 and math.isfinite(r.b_simple) and r.target_bs is not None and all(map(math.isfinite, r.interval)), r
+    x,y = data(256, shift=0.).tensors
+    learn,_ = _noise_learner(ds=TensorDataset(x - x.mean(0), y))   # a mean gradient of exactly zero: B_simple is infinite
+    r = learn.noise_scale(n_windows=8)
+    assert r.target_bs is None and r.n_step is None and 'lost in the noise' in r.reason and 'nothing' in str(r), r
+    assert not math.isfinite(r.b_simple) or r.b_simple > 0
+    learn,_ = _noise_learner(ds=data(5))
+    with pytest.raises(ValueError, match='no full batch'): learn.noise_scale()
 
 # -- DDP and FSDP2 on 2 gloo processes ------------------------------------------------------------------------------------
 def test_under_ddp_and_fsdp2_every_rank_measures_the_same_global_estimate():
@@ -213,3 +269,18 @@ def test_a_loader_of_ready_made_batches_is_read_from_copies_and_left_untouched()
     assert not any(torch.equal(seen[0], b) for b in seen[1:])
     assert update_bn_stats(learn.model, training_items(learn, 48)) == 48
     assert learn.dls.train.rng is rng and rng.getstate() == state
+
+def test_noise_scale_quiet_measures_the_data_on_a_batchnorm_dropout_model():
+    """Issue 40/41: on a model with BatchNorm and dropout, `learn.noise_scale()` measured the copy in training mode
+    (BatchNorm's coupling and dropout's own noise in the estimate, though the docs advised otherwise). By default it
+    measures with BatchNorm on its running statistics and dropout off: within 10% of the per-sample truth of that model
+    (the oracle: every per-sample gradient of the set, the model in eval mode)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1)).double()
+    with torch.no_grad(): model[1].running_mean.uniform_(-0.5, 0.5); model[1].running_var.uniform_(0.5, 2.)
+    learn = make_learner(data(), 8, cbs=[GradientAccumulation(n_step=8)], model=model, dtype=F64, loss_func=linear_loss)
+    want = truth(copy.deepcopy(model).eval(), data())
+    r = learn.noise_scale(n_windows=128)
+    assert abs(r.b_simple/want - 1) <= TOL and r.target_bs is not None, (r, want)
+    loud = learn.noise_scale(n_windows=128, quiet=False)   # as it trains: dropout's noise and BatchNorm's coupling in it
+    assert abs(loud.b_simple/want - 1) > TOL, (loud.b_simple, want)
