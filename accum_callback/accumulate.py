@@ -72,8 +72,9 @@ class GradientAccumulation(Callback):
     order,run_valid,_only_train_loop = MixedPrecision.order-4,False,True
 
     def __init__(self,
+        count:int|None=None, # without a name: read as `n_step`, with a warning at fit start (fastai's positional argument counts samples, `n_acc`): name it
+        /, *,
         n_step:int|dict|callable=None, # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
-        *,
         target_bs:int|dict|callable=None, # items per optimizer step: a window closes at the first micro-batch reaching it
         n_acc:int=None, # fastai's spelling: items per optimizer step, = `target_bs` with windows carried over epochs as fastai does
         partial:str=None, # partial window at the end of an epoch: 'step' it (default), 'drop' it, or 'carry' it into the next
@@ -85,6 +86,10 @@ class GradientAccumulation(Callback):
         gathered_params:bool=False, # FSDP2: keep parameters gathered through a window (one all-gather a window, not 1-2 a micro-batch)
     ):
         if micro_bs is not None: check_micro_bs(micro_bs)
+        if count is not None:
+            if n_step is not None: raise TypeError(f"GradientAccumulation: a count ({count!r}) and `n_step` ({n_step!r}): give one, by name")
+            n_step = count
+        self.count = count   # fastai's recipes write `GradientAccumulation(64)` for 64 samples: said at fit start
         self.n_step_sched,self.target_bs_sched,self.partial = window_arguments(n_step, target_bs, n_acc, partial, cut=micro_bs is not None)
         self.n_acc = n_acc   # fastai's rule: a window closes at the first batch reaching it, so no warning when it does not divide
         if n_items is not None and not callable(n_items):
@@ -93,7 +98,7 @@ class GradientAccumulation(Callback):
         self.sharded_grads,self.gathered_params = flag(sharded_grads, 'sharded_grads'),flag(gathered_params, 'gathered_params')
         # `micro_bs`: the `MicroBatching` callback this one adds to its Learner (and takes away with it)
         self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
-        self.mb,self._decided,self._warned_divide,self._new_fit,self._listeners = None,0,False,False,Listeners()
+        self.mb,self._decided,self._warned,self._new_fit,self._listeners = None,0,False,False,Listeners()
         self._ahead,self._clock = None,None   # the training loader read ahead; (epoch, windows it starts, windows started)
         self.window = Window()
         self._reset_logs()
@@ -158,16 +163,44 @@ class GradientAccumulation(Callback):
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         bs = getattr(self.dls.train, 'bs', None)
         self._warn_nothing_accumulates(bs)
+        if not self._warned: self._warn_ported(bs)
         t = self.target_bs_sched() if self.target_bs_sched is not None and self.n_acc is None else None
-        if t and bs and t > bs and t % bs and not self._warned_divide:
+        if t and bs and t > bs and t % bs and not self._warned:
             warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
                           f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
                           "gradient of its window", stacklevel=2)
-            self._warned_divide = True
+            self._warned = True
+
+    def _warn_ported(self, bs):
+        """What a recipe ported from fastai may mean otherwise, said once at fit start with the steps an epoch each reading
+        gives: a count without its name (fastai's counts samples), a window over most of an epoch"""
+        sizes = batch_sizes(self.dls.train) if bs else []
+        if not sizes: return
+        steps = lambda t, items: windows_started(sizes, t, items, 'step', False)
+        if self.count is not None and self.n_step_sched.kind == 'const':
+            k = self.count
+            warnings.warn(f"GradientAccumulation({k}): a count without its name is read as n_step, {k} micro-batches a step "
+                          f"({k} batches of {bs} = {k*bs} items, {steps(k, False)} optimizer steps an epoch here); fastai's "
+                          f"GradientAccumulation({k}) counts samples (n_acc={k}: {steps(k, True)} steps an epoch). Write "
+                          f"GradientAccumulation(n_step={k}) or GradientAccumulation(n_acc={k}); a count without its name will "
+                          "mean fastai's n_acc in a later version", stacklevel=3)
+            self._warned = True
+            return
+        sc = self.sched
+        if sc.kind != 'const' or self.mb is not None or len(sizes) < 8: return
+        by_items = self.n_step_sched is None
+        units = sc.const if not by_items else next((i+1 for i in range(len(sizes)) if sum(sizes[:i+1]) >= sc.const), len(sizes)+1)
+        if units*2 > len(sizes):
+            name = 'n_step' if not by_items else ('n_acc' if self.n_acc is not None else 'target_bs')
+            warnings.warn(f"GradientAccumulation: {name}={sc.const} makes a window of {min(units, len(sizes))} of the epoch's "
+                          f"{len(sizes)} loader batches: {steps(sc.const, by_items)} optimizer step(s) an epoch. If that is "
+                          "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
+                          stacklevel=3)
+            self._warned = True
 
     def _warn_nothing_accumulates(self, bs):
         "A setting under which no window holds more than one loader batch, uncut: said once, naming the argument"
-        if not bs or self._warned_divide: return
+        if not bs or self._warned: return
         mb,msg = self.mb,None
         size = mb.size if mb is not None and not mb.auto else None
         if size is not None and size > bs:
@@ -181,7 +214,7 @@ class GradientAccumulation(Callback):
                    f"batches smaller than {t}; for steps of several batches, give a larger {name} or n_step")
         if msg:
             warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
-            self._warned_divide = True
+            self._warned = True
 
     def refuse_fit(self): "What this fit is refused for (`guard.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn)
 
@@ -383,9 +416,11 @@ class GradientAccumulation(Callback):
 @patch
 def accumulate(self:Learner,
     n_step:int|dict|callable=None, # micro-batches per optimizer step
-    **kwargs # `target_bs`, `partial`, `n_items`, `skip_nonfinite`, `micro_bs`: see `GradientAccumulation`
+    **kwargs # `target_bs`, `n_acc` (fastai's: samples per step), `partial`, `n_items`, `skip_nonfinite`, `micro_bs`: see `GradientAccumulation`
 ):
-    "Accumulate gradients exactly over micro-batches (replaces any accumulation callback already there)"
-    cb = GradientAccumulation(n_step, **kwargs)   # validate before touching the Learner
+    """Accumulate gradients exactly over micro-batches (replaces any accumulation callback already there, ours or
+    fastai's). A recipe that imports `fastai.vision.all` after `accum_callback` gets fastai's `GradientAccumulation`
+    back under that name; `learn.accumulate(n_acc=64)` stays ours whatever was imported after"""
+    cb = GradientAccumulation(n_step=n_step, **kwargs)   # validate before touching the Learner
     self.remove_cbs([c for c in self.cbs if isinstance(c, (GradientAccumulation, FastaiGradientAccumulation))])
     return self.add_cb(cb)

@@ -29,7 +29,7 @@ def speed_section(sz, repeats, warmup):
     b,k = sz['b'],sz['k']
     ds = images(b*k*sz['windows'], sz['px'])
     net = partial(conv_net, sz['width'])
-    contenders = {'ours':   partial(fit_time, learner(net(), ds, b, [GradientAccumulation(k)])),
+    contenders = {'ours':   partial(fit_time, learner(net(), ds, b, [GradientAccumulation(n_step=k)])),
                   'fastai': partial(fit_time, learner(net(), ds, b, [FastaiGA(n_acc=b*k)])),
                   'hand':   hand_loop(net(), ds, b, k)}
     t,errs = rounds(contenders, repeats, warmup)
@@ -65,7 +65,7 @@ def _mem_worker(sz, config, conn):
         b,k = sz['b'],sz['k']
         bs,n_acc = {'big': (b*k, 1), 'accum': (b, k), 'micro': (b, 1)}[config]
         def make(windows):
-            return learner(conv_net(sz['width']), images(b*k*windows, sz['px']), bs, [GradientAccumulation(n_acc)]*(n_acc > 1))
+            return learner(conv_net(sz['width']), images(b*k*windows, sz['px']), bs, [GradientAccumulation(n_step=n_acc)]*(n_acc > 1))
         # A throw-away fit of the same shapes first: the library code pages it touches count in RSS too
         warm = make(1); fit_time(warm); del warm
         learn = make(sz['mem_windows'])
@@ -100,7 +100,7 @@ def bn_section(sz, repeats, warmup):
     goals = dict(pool=1.03)
     b,k = sz['b'],sz['k']
     ds,rows = images(b*k*sz['windows'], sz['px']),[]
-    def make(cbs): return partial(fit_time, learner(conv_net(sz['width']), ds, b, [GradientAccumulation(k), *cbs]))
+    def make(cbs): return partial(fit_time, learner(conv_net(sz['width']), ds, b, [GradientAccumulation(n_step=k), *cbs]))
     contenders = {'plain': make([]), **{m: make([BatchNormAccumulation(m)]) for m in BN_MODES}}
     t,errs = rounds(contenders, repeats, warmup)   # a mode that cannot run says so in its row
     if 'plain' in errs: raise RuntimeError(errs['plain'])
@@ -160,7 +160,7 @@ def op_counts(arch='resnet50', px=32, b=2, k=4, windows=2, modes=BN_MODES)->dict
     ds = images(b*k*windows, px)
     def count(cbs):
         torch.manual_seed(0)
-        learn = learner(torchvision.models.get_model(arch, num_classes=10), ds, b, [GradientAccumulation(k), *cbs])
+        learn = learner(torchvision.models.get_model(arch, num_classes=10), ds, b, [GradientAccumulation(n_step=k), *cbs])
         with OpCounter() as c: fit_time(learn)
         return c.n/(k*windows)
     plain = count([])
@@ -201,10 +201,10 @@ def cuda_section(device='cuda', arch='resnet50', px=224, b=32, k=8, windows=2, r
         learn = learner(model(**kw), ds, bs, cbs + amp(), device=device, prebatched=True)
         if cuda: learn.add_cb(CudaSync())
         return learn
-    learners = dict(ours=lrn(b, [GradientAccumulation(k)]), fastai=lrn(b, [FastaiGA(b*k)]), big=lrn(b*k, []),
-                    **{m: lrn(b, [GradientAccumulation(k), BatchNormAccumulation(m)]) for m in BN_MODES},
+    learners = dict(ours=lrn(b, [GradientAccumulation(n_step=k)]), fastai=lrn(b, [FastaiGA(b*k)]), big=lrn(b*k, []),
+                    **{m: lrn(b, [GradientAccumulation(n_step=k), BatchNormAccumulation(m)]) for m in BN_MODES},
                     # the same architecture built with GroupNorm from the start (what 'groupnorm' converts to)
-                    native_gn=lrn(b, [GradientAccumulation(k)], norm_layer=lambda c: torch.nn.GroupNorm(32, c)))
+                    native_gn=lrn(b, [GradientAccumulation(n_step=k)], norm_layer=lambda c: torch.nn.GroupNorm(32, c)))
     mem = {}
     for n,l in learners.items():   # the first (warm-up) fit of each, measured for memory
         if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()

@@ -74,7 +74,7 @@ def token():
     y[:4, 1:] = -100
     lf = lambda p, t: F.cross_entropy(p.reshape(-1, V), t.reshape(-1), ignore_index=-100)
     ds = TensorDataset(x, y); out = []
-    for cb in (FastaiGA(12), GradientAccumulation(3, n_items=lambda l: (l.yb[0] != -100).sum())):
+    for cb in (FastaiGA(12), GradientAccumulation(n_step=3, n_items=lambda l: (l.yb[0] != -100).sum())):
         spy = FirstStepGrad(); learn = learner(ds, 4, [cb, spy], model=mlp(4, V), loss_func=lf); quiet(learn, 1)
         out.append(rel(spy.grads[0], big_grad(spy.ws[0], x[:12], y[:12], lf)))
     return out
@@ -82,7 +82,7 @@ def token():
 def nan():
     "one NaN sample in micro-batch 2 of 12"
     out = []
-    for cb in (FastaiGA(16), GradientAccumulation(4)):
+    for cb in (FastaiGA(16), GradientAccumulation(n_step=4)):
         ds = data(48); ds.tensors[0][5, 0] = float('nan')
         learn = learner(ds, 4, [cb]); quiet(learn, 1)
         out.append(bool(torch.isfinite(torch.cat([p.reshape(-1) for p in learn.model.parameters()])).all()))
@@ -93,14 +93,14 @@ def one_cycle():
     ds = data(256, seed=3); w = lambda l: torch.cat([p.detach().reshape(-1) for p in l.model.parameters()])
     ref = quiet(learner(ds, 32, opt_func=Adam, lr=3e-3), 2, 'fit_one_cycle')
     return [rel(w(quiet(learner(ds, 4, [cb], opt_func=Adam, lr=3e-3), 2, 'fit_one_cycle')), w(ref))
-            for cb in (FastaiGA(32), GradientAccumulation(8))]
+            for cb in (FastaiGA(32), GradientAccumulation(n_step=8))]
 
 def main():
     rows = []
     fa, ours = uneven(lambda t: FastaiGA(t)), uneven(lambda t: GradientAccumulation(target_bs=t))
     rows.append(('gradient error, micro-batch 5, target 12', pct(fa[0]), pct(ours[0])))
     rows.append(('gradient error, micro-batch 6, target 16', pct(fa[1]), pct(ours[1])))
-    fa_leak, our_leak = leak(lambda: FastaiGA(15)), leak(lambda: GradientAccumulation(3))
+    fa_leak, our_leak = leak(lambda: FastaiGA(15)), leak(lambda: GradientAccumulation(n_step=3))
     rows.append(("next fit's first step after a partial window", pct(fa_leak), pct(our_leak)))
     t = token(); rows.append(('padded token-mean loss, first step', pct(t[0]), pct(t[1])))
     n = nan(); rows.append(('weights finite after one NaN micro-batch', 'yes' if n[0] else 'no', 'yes' if n[1] else 'no'))

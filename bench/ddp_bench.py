@@ -1,6 +1,6 @@
 """Gradient all-reduces and wall time of `GradientAccumulation` under DDP, with and without `no_sync`, side by side.
 
-Two CPU processes over gloo train the same MLP with `GradientAccumulation(n_step)`: once as shipped (micro-batches that
+Two CPU processes over gloo train the same MLP with `GradientAccumulation(n_step=n_step)`: once as shipped (micro-batches that
 do not close their window run under `no_sync`), once with a DDP whose `no_sync` does nothing (every micro-batch
 all-reduces, as without our callback). Runs alternate, `--repeats` of each; the table gives medians and the ratios.
 
@@ -36,7 +36,7 @@ def run(rank, world, n_step, bs, steps, hidden, variant, seed=0):
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=bs), DataLoader(TensorDataset(x[:bs], y[:bs]), bs=bs), device='cpu')
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(512, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-    learn = Learner(dls, model, loss_func=F.mse_loss, opt_func=SGD, lr=1e-3, cbs=[NoValid(), GradientAccumulation(n_step)])
+    learn = Learner(dls, model, loss_func=F.mse_loss, opt_func=SGD, lr=1e-3, cbs=[NoValid(), GradientAccumulation(n_step=n_step)])
     learn.model = (DDP if variant == 'no_sync' else SyncEveryDDP)(model)
     counter = count_allreduces(learn.model)
     dist.barrier()

@@ -55,7 +55,7 @@ def run(rank, world, n_step, bs, steps, hidden, repeats, seed=0):
         fully_shard(model, mesh=mesh)
         dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=bs), DataLoader(TensorDataset(x[:bs], y[:bs]), bs=bs), device='cpu')
         return Learner(dls, model, loss_func=F.mse_loss, opt_func=SGD, lr=1e-3,
-                       cbs=[NoValid(), HeldGrads(), GradientAccumulation(n_step, **kw)])
+                       cbs=[NoValid(), HeldGrads(), GradientAccumulation(n_step=n_step, **kw)])
     learns = {k: learner(kw) for k,kw in MODES.items()}
     times = {k: [] for k in MODES}
     counts = {}

@@ -47,7 +47,7 @@ def test_accumulate_patch_adds_replaces_and_validates_first():
 
 def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_still_works():
     "The conflict is refused when training starts, naming both classes; validate/get_preds work (and never hang)"
-    learn = make_learner(make_data(20), 4, cbs=[GradientAccumulation(2), FastaiGA(8)])
+    learn = make_learner(make_data(20), 4, cbs=[GradientAccumulation(n_step=2), FastaiGA(8)])
     with learn.no_bar(), learn.no_logging():
         learn.validate(); learn.get_preds()   # inference sends before_fit too: no raise there (it would keep learn.lock)
     assert not learn.lock.locked()
@@ -188,7 +188,7 @@ def test_window_loss_is_the_large_batch_loss_and_recorder_keeps_true_loss():
         def after_batch(self):
             if self.training: self.pairs.append((self.loss.item(), self.loss_func(self.pred, *self.yb).item()))
     ds = make_data(24); ls = LossSpy()
-    learn = make_learner(ds, 4, lr=0., cbs=[GradientAccumulation(3), ls])
+    learn = make_learner(ds, 4, lr=0., cbs=[GradientAccumulation(n_step=3), ls])
     fit_quiet(learn, 1)
     for a, b in ls.pairs: assert a == pytest.approx(b, rel=1e-6)   # not divided by n_step
     m = learn.model
@@ -205,7 +205,7 @@ def weights(m): return flat([p.detach() for p in m.parameters()])
 def test_one_cycle_micro_4x8_equals_batch_32(meth):
     ds = make_data(256, seed=3)
     a = make_learner(ds, 32, opt_func=Adam, lr=3e-3)
-    b = make_learner(ds, 4, opt_func=Adam, lr=3e-3, cbs=GradientAccumulation(8))
+    b = make_learner(ds, 4, opt_func=Adam, lr=3e-3, cbs=GradientAccumulation(n_step=8))
     kw = dict(cycle_len=1) if meth == 'fit_sgdr' else {}
     fit_quiet(a, 2, meth=meth, **kw); fit_quiet(b, 2, meth=meth, **kw)
     assert b.gradient_accumulation.steps == a.train_iter == (3 if meth == 'fit_sgdr' else 2)*256//32
@@ -220,7 +220,7 @@ def test_hypers_come_from_the_first_micro_batch_of_the_window():
         def before_step(self): self.lrs.append(self.opt.hypers[0]['lr'])
     ds = make_data(64); hs = HyperSpy(); hb = HyperSpy()
     a = make_learner(ds, 16, opt_func=Adam, cbs=hb); fit_quiet(a, 2, meth='fit_one_cycle', lr_max=1e-2)
-    b = make_learner(ds, 4, opt_func=Adam, cbs=[GradientAccumulation(4), hs]); fit_quiet(b, 2, meth='fit_one_cycle', lr_max=1e-2)
+    b = make_learner(ds, 4, opt_func=Adam, cbs=[GradientAccumulation(n_step=4), hs]); fit_quiet(b, 2, meth='fit_one_cycle', lr_max=1e-2)
     assert hs.lrs == pytest.approx(hb.lrs, rel=1e-12)
 
 class StepHypers(Callback):
@@ -259,7 +259,7 @@ def test_one_cycle_partial_last_window_is_the_large_batch(n, bs, kw, big):
 
 def test_fine_tune_and_lr_find_work():
     ds = make_data(64)
-    learn = make_learner(ds, 4, opt_func=Adam, cbs=GradientAccumulation(4))
+    learn = make_learner(ds, 4, opt_func=Adam, cbs=GradientAccumulation(n_step=4))
     fit_quiet(learn, 1, meth='fine_tune', freeze_epochs=1)
     assert learn.gradient_accumulation.steps == 64//16
     res = learn.lr_find(num_it=40, show_plot=False)
@@ -274,7 +274,7 @@ class Boom(Callback):
 
 @pytest.mark.parametrize('exc', [CancelFitException(), KeyboardInterrupt(), RuntimeError('boom')])
 def test_grads_clean_when_fit_ends_mid_window(exc):
-    learn = make_learner(make_data(40), 4, cbs=[GradientAccumulation(4), Boom(exc, 5)])
+    learn = make_learner(make_data(40), 4, cbs=[GradientAccumulation(n_step=4), Boom(exc, 5)])
     try: fit_quiet(learn, 2)
     except (KeyboardInterrupt, RuntimeError): pass
     assert grads_clean(learn.model)
@@ -286,7 +286,7 @@ def test_grads_clean_when_fit_ends_mid_window(exc):
 @pytest.mark.parametrize('partial', ['step', 'drop', 'carry'])
 def test_no_leak_into_next_fit(partial):
     "fastai's built-in leaves a partial window's gradient for the next fit; we never do"
-    learn = make_learner(make_data(36), 5, cbs=GradientAccumulation(3, partial=partial))
+    learn = make_learner(make_data(36), 5, cbs=GradientAccumulation(n_step=3, partial=partial))
     fit_quiet(learn, 1)
     assert grads_clean(learn.model)
     for p in learn.model.parameters(): p.grad = torch.full_like(p, 7.)   # even gradients left by hand
@@ -297,7 +297,7 @@ def test_no_leak_into_next_fit(partial):
 def test_nonfinite_micro_batch_drops_its_window_only():
     ds = make_data(48); ds.tensors[0][21, 2] = float('nan')   # in micro-batch 5 (bs 4) -> window 1 (n_step 4)
     ref = make_data(48)
-    learn = make_learner(ds, 4, cbs=GradientAccumulation(4))
+    learn = make_learner(ds, 4, cbs=GradientAccumulation(n_step=4))
     with pytest.warns(UserWarning, match=r'1 window\(s\) dropped'): fit_quiet(learn, 1)
     ga = learn.gradient_accumulation
     assert ga.steps == 2 and ga.n_skipped == 1 and ga.window_sizes == [16, 16]
@@ -310,7 +310,7 @@ def test_nonfinite_micro_batch_drops_its_window_only():
 
 def test_skip_nonfinite_false_steps_anyway():
     ds = make_data(16); ds.tensors[0][1, 0] = float('inf')
-    learn = make_learner(ds, 4, cbs=GradientAccumulation(4, skip_nonfinite=False))
+    learn = make_learner(ds, 4, cbs=GradientAccumulation(n_step=4, skip_nonfinite=False))
     fit_quiet(learn, 1)
     assert not torch.isfinite(weights(learn.model)).all()
 
@@ -321,14 +321,14 @@ def test_cancelled_batches_do_not_count():
         def before_batch(self):
             if self.training and self.iter in (1, 4): raise CancelBatchException()
     spy = WindowSpy()
-    learn = make_learner(make_data(40), 4, cbs=[Skipper(), GradientAccumulation(3), spy])
+    learn = make_learner(make_data(40), 4, cbs=[Skipper(), GradientAccumulation(n_step=3), spy])
     fit_quiet(learn, 1)
     # 10 micro-batches, 2 cancelled: windows of 3, 3 and the last 2 micro-batches
     assert learn.gradient_accumulation.window_micro == [3, 3, 2] and max(spy.errs) <= TOL
 
 def test_validation_and_get_preds_untouched():
     ds = make_data(30)
-    a = make_learner(ds, 4); b = make_learner(ds, 4, cbs=GradientAccumulation(3))
+    a = make_learner(ds, 4); b = make_learner(ds, 4, cbs=GradientAccumulation(n_step=3))
     pa, ya = a.get_preds(); pb, yb = b.get_preds()
     assert torch.equal(pa, pb)
     fit_quiet(b, 1)
@@ -337,7 +337,7 @@ def test_validation_and_get_preds_untouched():
 def test_gradient_clip_sees_the_whole_window_once():
     ds = make_data(64)
     a = make_learner(ds, 16, cbs=GradientClip(0.05)); fit_quiet(a, 2)
-    b = make_learner(ds, 4, cbs=[GradientAccumulation(4), GradientClip(0.05)]); fit_quiet(b, 2)
+    b = make_learner(ds, 4, cbs=[GradientAccumulation(n_step=4), GradientClip(0.05)]); fit_quiet(b, 2)
     assert rel_err(weights(b.model), weights(a.model)) <= 1e-6
     c = make_learner(ds, 16); fit_quiet(c, 2)
     assert rel_err(weights(c.model), weights(a.model)) > 1e-3   # clipping was active
@@ -352,7 +352,7 @@ class CPUScalerMP(MixedPrecision):
 
 def test_grad_scaler_runs_once_per_window_and_stays_exact():
     ds = make_data(64); spy = WindowSpy()
-    learn = make_learner(ds, 4, cbs=[GradientAccumulation(4), CPUScalerMP(), spy])
+    learn = make_learner(ds, 4, cbs=[GradientAccumulation(n_step=4), CPUScalerMP(), spy])
     fit_quiet(learn, 1)
     mp = learn.cpu_scaler_mp
     assert len(mp.kept) == 4                      # one scaler step (and update) per window
@@ -368,7 +368,7 @@ def test_overflowing_window_is_skipped_whole():
         def after_step(self):
             if not self.events or self.events[-1] != ('skip', self.train_iter//4): self.events.append(('step', self.train_iter//4))
     ds = make_data(96); spy = StepSpy()
-    learn = make_learner(ds, 4, cbs=[GradientAccumulation(4), CPUScalerMP(init_scale=3e38), spy]); fit_quiet(learn, 1)
+    learn = make_learner(ds, 4, cbs=[GradientAccumulation(n_step=4), CPUScalerMP(init_scale=3e38), spy]); fit_quiet(learn, 1)
     ga, mp = learn.gradient_accumulation, learn.cpu_scaler_mp
     stepped = [w for e, w in spy.events if e == 'step']
     assert len(spy.events) == 6 and [w for _, w in spy.events] == list(range(6))   # scaler ran once per window
@@ -386,7 +386,7 @@ class CPUBf16MP(MixedPrecision):
 def test_bf16_autocast_on_cpu():
     ds = make_data(64, n_in=8)
     a = make_learner(ds, 16, cbs=CPUBf16MP(), opt_func=Adam, lr=1e-3); fit_quiet(a, 2)
-    b = make_learner(ds, 4, cbs=[GradientAccumulation(4), CPUBf16MP()], opt_func=Adam, lr=1e-3); fit_quiet(b, 2)
+    b = make_learner(ds, 4, cbs=[GradientAccumulation(n_step=4), CPUBf16MP()], opt_func=Adam, lr=1e-3); fit_quiet(b, 2)
     assert b.gradient_accumulation.steps == a.train_iter == 8
     assert torch.isfinite(weights(b.model)).all()
     err = rel_err(weights(b.model), weights(a.model))
@@ -395,7 +395,7 @@ def test_bf16_autocast_on_cpu():
 def test_logs_survive_validate_and_get_preds():
     "fastai sends before_fit/after_fit around validate and get_preds: the last fit's logs and warnings stay put"
     ds = make_data(32); ds.tensors[0][1, 0] = float('nan')
-    learn = make_learner(ds, 4, cbs=GradientAccumulation(2))
+    learn = make_learner(ds, 4, cbs=GradientAccumulation(n_step=2))
     with pytest.warns(UserWarning, match='dropped'): fit_quiet(learn, 1)
     ga = learn.gradient_accumulation; logged = (list(ga.window_sizes), list(ga.window_losses), ga.n_skipped)
     with warnings.catch_warnings():

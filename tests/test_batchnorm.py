@@ -409,7 +409,7 @@ def test_pool_with_a_timm_norm_act_layer():
         learn = Learner(make_dls(ds, bs), model, loss_func=nn.CrossEntropyLoss(), lr=0., cbs=cbs)
         return learn
     big = learner(16, []); fit_quiet(big, 1)
-    small = learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')]); fit_quiet(small, 1)
+    small = learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('pool')]); fit_quiet(small, 1)
     b, s = big.model[0], small.model[0]
     assert int(s.num_batches_tracked) == int(b.num_batches_tracked) == 3
     for name in ('running_mean', 'running_var'):
@@ -427,7 +427,7 @@ def test_pool_counts_every_rank_for_syncbatchnorm(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.SyncBatchNorm(3), nn.Linear(3, 2))   # one process: SyncBatchNorm runs as BatchNorm
     learn = Learner(make_dls(ds, 4), model, loss_func=nn.CrossEntropyLoss(), lr=0.,
-                    cbs=[GradientAccumulation(3), BatchNormAccumulation('pool')])
+                    cbs=[GradientAccumulation(n_step=3), BatchNormAccumulation('pool')])
     fit_quiet(learn, 1)
     parts = x.split(4)
     # what SyncBatchNorm reports per micro-batch (here: the local statistics), weighed by the global count 2 x 4

@@ -49,7 +49,7 @@ def test_mixed_precision_equals_big_batch(amp_mode):
     ds = make_data(128, n_in=32)
     kw = dict(init_scale=2.**10) if amp_mode == 'fp16' else {}
     big = fit_silent(learner(ds, 32, MLP(32, seed=0), [MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
-    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(8), MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(n_step=8), MixedPrecision(amp_mode=amp_mode, **kw)], Adam, 1e-3), 2)
     ga = acc.gradient_accumulation
     assert ga.steps == big.train_iter == 8 and ga.n_step_cancelled == 0
     err = rel_err(w(acc), w(big))
@@ -64,7 +64,7 @@ def test_fp16_overflowing_windows_skipped_whole():
     n = 768
     ds = make_data(n, n_in=32)
     log = _ScaleLog()   # MixedPrecision drops the scaler at the end of fit
-    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4), MixedPrecision(init_scale=2.**30), log], SGD, 0.1))
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(n_step=4), MixedPrecision(init_scale=2.**30), log], SGD, 0.1))
     ga = acc.gradient_accumulation
     n_win = n//16
     assert ga.steps + ga.n_step_cancelled == n_win and 0 < ga.n_step_cancelled < n_win
@@ -81,7 +81,7 @@ def test_gradient_clip_once_per_window_fp16():
     ds = make_data(64, n_in=32)
     cbs = lambda: [MixedPrecision(init_scale=2.**10), GradientClip(0.05)]
     big = fit_silent(learner(ds, 16, MLP(32, seed=0), cbs(), SGD, 0.5))
-    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(4)] + cbs(), SGD, 0.5))
+    acc = fit_silent(learner(ds, 4, MLP(32, seed=0), [GradientAccumulation(n_step=4)] + cbs(), SGD, 0.5))
     assert acc.gradient_accumulation.steps == 4 and rel_err(w(acc), w(big)) <= 2e-3
 
 # -- BatchNorm modes on a torchvision resnet --------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def bn_learner(bs, cbs, channels_last=False, lr=0., n=32):
 @pytest.mark.parametrize('channels_last', [False, True])
 def test_pool_statistics_equal_big_batch(channels_last):
     "'pool' on resnet18 (lr 0, so every window sees the same weights): bn1's running stats are the big batch's"
-    learn,ds = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')], channels_last)
+    learn,ds = bn_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('pool')], channels_last)
     big,_ = bn_learner(16, [], channels_last)
     fit_silent(learn); fit_silent(big)
     for a,b in ((learn.model.bn1, big.model.bn1),):
@@ -119,20 +119,20 @@ def test_momentum_mode_sets_and_restores():
     class Spy(Callback):
         order = BatchNormAccumulation.order+1
         def before_batch(self): seen.append(self.model.layer1[0].bn1.momentum)
-    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('momentum'), Spy()], lr=0.1)
+    learn,_ = bn_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('momentum'), Spy()], lr=0.1)
     fit_silent(learn)
     assert seen and all(m == pytest.approx(accumulated_momentum(0.1, 4)) for m in seen) and learn.model.layer1[0].bn1.momentum == 0.1
     assert learn.model.bn1.num_batches_tracked == 8   # one update per micro-batch
 
 def test_freeze_keeps_statistics():
-    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('freeze')], lr=0.1)
+    learn,_ = bn_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('freeze')], lr=0.1)
     before = learn.model.bn1.running_mean.clone()
     fit_silent(learn)
     assert torch.equal(learn.model.bn1.running_mean, before) and learn.gradient_accumulation.steps == 2
     assert torch.isfinite(w(learn)).all()
 
 def test_groupnorm_conversion_trains_on_device():
-    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('groupnorm')], lr=0.1)
+    learn,_ = bn_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('groupnorm')], lr=0.1)
     ps = [id(p) for p in learn.model.parameters()]
     fit_silent(learn)
     assert isinstance(learn.model.bn1, nn.GroupNorm) and learn.model.bn1.weight.device.type == DEVICE.type
@@ -141,7 +141,7 @@ def test_groupnorm_conversion_trains_on_device():
 @pytest.mark.parametrize('channels_last', [False, True])
 def test_renorm_conversion_eval_output_and_training(channels_last):
     "'renorm': eval output unchanged right after conversion; trains finite; BnFreeze still sees BatchNorm layers"
-    learn,ds = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('renorm')], channels_last, lr=0.)
+    learn,ds = bn_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('renorm')], channels_last, lr=0.)
     x = ds.tensors[0][:8].to(DEVICE)
     if channels_last: x = x.contiguous(memory_format=torch.channels_last)
     learn.model.eval()
@@ -200,7 +200,7 @@ def process_group(monkeypatch):
 def test_ddp_no_sync_one_allreduce_per_step(process_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
     ds = make_data(64, n_in=8)
-    learn = learner(ds, 4, MLP(8, seed=0), [GradientAccumulation(4)])
+    learn = learner(ds, 4, MLP(8, seed=0), [GradientAccumulation(n_step=4)])
     learn.model = DDP(learn.model, device_ids=[DEVICE.index or 0] if ON_GPU else None)
     counter = count_allreduces(learn.model)
     fit_silent(learn)
@@ -211,7 +211,7 @@ def test_ddp_no_sync_one_allreduce_per_step(process_group):
 def test_syncbatchnorm_pool_under_ddp(process_group):
     "SyncBatchNorm + DDP + 'pool': bn1's statistics equal one big batch's (world size 1)"
     from torch.nn.parallel import DistributedDataParallel as DDP
-    learn,_ = bn_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool')])
+    learn,_ = bn_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('pool')])
     if ON_GPU: learn.model = nn.SyncBatchNorm.convert_sync_batchnorm(learn.model)
     learn.model = DDP(learn.model, device_ids=[DEVICE.index or 0] if ON_GPU else None)
     big,_ = bn_learner(16, [])
@@ -223,7 +223,7 @@ def test_syncbatchnorm_pool_under_ddp(process_group):
 # -- torch.compile --------------------------------------------------------------------------------------------------------
 def test_compile_default_is_exact():
     ds = make_data(64, n_in=8)
-    acc = learner(ds, 4, torch.compile(MLP(8, seed=0)), [GradientAccumulation(4)])
+    acc = learner(ds, 4, torch.compile(MLP(8, seed=0)), [GradientAccumulation(n_step=4)])
     big = learner(ds, 16, MLP(8, seed=0))
     fit_silent(acc, 2); fit_silent(big, 2)
     assert acc.gradient_accumulation.steps == 8 and rel_err(w(acc), w(big)) <= 1e-5
@@ -231,7 +231,7 @@ def test_compile_default_is_exact():
 @pytest.mark.parametrize('mode', ['reduce-overhead', 'max-autotune'])
 def test_compile_with_cuda_graphs_is_refused_clearly(mode):
     ds = make_data(32, n_in=8)
-    learn = learner(ds, 4, torch.compile(MLP(8, seed=0), mode=mode), [GradientAccumulation(4)])
+    learn = learner(ds, 4, torch.compile(MLP(8, seed=0), mode=mode), [GradientAccumulation(n_step=4)])
     w0 = w(learn).clone()
     with pytest.raises(ValueError, match=r"CUDA graphs.*mode='default'"): fit_silent(learn)
     assert torch.equal(w(learn), w0) and not learn.lock.locked()

@@ -72,7 +72,7 @@ class LrAtStep(Callback):
 def test_one_off_hyper_change_is_kept_with_carry():
     "9 micro-batches an epoch, n_step 4, 'carry': the window open at the change still steps with its own start lr"
     spy = LrAtStep()
-    learn = make_learner(make_data(36), 4, cbs=[GradientAccumulation(4, partial='carry'), SetLR(), spy], lr=1e-2)
+    learn = make_learner(make_data(36), 4, cbs=[GradientAccumulation(n_step=4, partial='carry'), SetLR(), spy], lr=1e-2)
     fit_silent(learn, 2)
     # windows: 0-3, 4-7 (lr 1e-2), 8-11 (carried from epoch 0: 1e-2), 12-15 (1e-3), 16-17 dropped at the end of fit
     assert spy.lrs == [1e-2, 1e-2, 1e-2, 1e-3]
@@ -81,7 +81,7 @@ def test_one_off_hyper_change_is_kept_with_carry():
 def test_reduce_lr_on_plateau_with_carry():
     "fastai's ReduceLROnPlateau (patience 0, a plateau forced by lr=0 at the start): its reductions stay in force"
     spy = LrAtStep()
-    learn = make_learner(make_data(36), 4, lr=1e-2, cbs=[GradientAccumulation(4, partial='carry'), spy,
+    learn = make_learner(make_data(36), 4, lr=1e-2, cbs=[GradientAccumulation(n_step=4, partial='carry'), spy,
                          ReduceLROnPlateau(monitor='valid_loss', patience=0, factor=10., min_delta=10.)])
     fit_silent(learn, 3)
     assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-4)   # reduced after epochs 0 and 1
@@ -100,7 +100,7 @@ def test_cancel_in_after_batch_before_us_logs_and_resets(cancel, steps, dropped)
     # micro-batches 0-12 run; 12 carries into epoch 1 (12,0,1 / 2-4 / 5-7 / 8-10), 11-12 are dropped at the end of fit
     cut = CancelAfterBatch(5) if cancel == 'epoch' else ShortEpochCallback(pct=0.6, short_valid=False)
     spy,cnt = WindowSpy(),StepCounter()
-    learn = make_learner(make_data(40), 2, cbs=[GradientAccumulation(3, partial='carry'), cut, spy, cnt])
+    learn = make_learner(make_data(40), 2, cbs=[GradientAccumulation(n_step=3, partial='carry'), cut, spy, cnt])
     fit_silent(learn, 2)
     ga = learn.gradient_accumulation
     assert ga.steps == cnt.n == len(spy.errs) == steps and ga.window_sizes == [6]*steps
@@ -114,7 +114,7 @@ def test_terminate_on_nan():
         def after_loss(self):
             if self.training and self.train_iter == 7: self.learn.loss_grad = self.loss_grad*float('nan'); self.learn.loss = self.loss*float('nan')
     cnt = StepCounter()
-    learn = make_learner(make_data(40), 2, cbs=[GradientAccumulation(3), NaNAt(), TerminateOnNaNCallback(), cnt])
+    learn = make_learner(make_data(40), 2, cbs=[GradientAccumulation(n_step=3), NaNAt(), TerminateOnNaNCallback(), cnt])
     fit_silent(learn, 2)
     ga = learn.gradient_accumulation
     assert cnt.n == ga.steps == 2 and ga.window_sizes == [6, 6]   # micro-batches 0-5 stepped; 6-7 never
@@ -128,7 +128,7 @@ class CancelBackward(Callback):
 @pytest.mark.parametrize('order', [0, 50])   # before and after our before_backward
 def test_cancelled_backward_is_not_counted(order):
     spy,cnt = WindowSpy(),StepCounter()
-    learn = make_learner(make_data(36), 4, cbs=[GradientAccumulation(4), CancelBackward({0, 5}, order), spy, cnt])
+    learn = make_learner(make_data(36), 4, cbs=[GradientAccumulation(n_step=4), CancelBackward({0, 5}, order), spy, cnt])
     fit_silent(learn, 1)
     ga = learn.gradient_accumulation
     assert max(spy.errs) <= 1e-6, spy.errs
@@ -137,7 +137,7 @@ def test_cancelled_backward_is_not_counted(order):
 def test_cancelled_backward_not_pooled_by_batchnorm():
     "BatchNormAccumulation('pool') pools only micro-batches whose backward ran (one window, lr 0: exact)"
     ds = images(16)
-    learn = img_learner(4, [GradientAccumulation(4), BatchNormAccumulation('pool'), CancelBackward({1}, 0)], n=16,
+    learn = img_learner(4, [GradientAccumulation(n_step=4), BatchNormAccumulation('pool'), CancelBackward({1}, 0)], n=16,
                         model=BNConvNet(), lr=0.)
     bn = learn.model.body[1]; fit_silent(learn, 1)
     x = torch.cat([ds.tensors[0][:4], ds.tensors[0][8:]])   # micro-batch 1 (samples 4-7) cancelled
@@ -156,7 +156,7 @@ def test_zero_item_micro_batch_counts_zero():
     spy,cnt = WindowSpy(),StepCounter()
     learn = Learner(make_dls(TensorDataset(x, y), 4), nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, V)),
                     loss_func=loss, opt_func=SGD, lr=0.1,
-                    cbs=[GradientAccumulation(3, n_items=lambda l: (l.yb[0] != -100).sum()), spy, cnt])
+                    cbs=[GradientAccumulation(n_step=3, n_items=lambda l: (l.yb[0] != -100).sum()), spy, cnt])
     fit_silent(learn, 1)
     ga = learn.gradient_accumulation
     assert cnt.n == ga.steps == 2 and ga.n_skipped == 0
@@ -168,7 +168,7 @@ def test_batchnorm_on_learner_ga_in_fit_cbs_inference_never_hangs():
     learn = img_learner(4, [BatchNormAccumulation('pool')], model=BNConvNet())
     with learn.no_bar(), learn.no_logging():
         learn.validate(); learn.get_preds()
-        fit_silent(learn, 1, cbs=GradientAccumulation(2))
+        fit_silent(learn, 1, cbs=GradientAccumulation(n_step=2))
         learn.validate(); preds,_ = learn.get_preds()
     assert not learn.lock.locked() and len(preds) == 8
     assert learn.model.body[1].num_batches_tracked == 3   # 6 micro-batches of 4: 3 windows
@@ -178,7 +178,7 @@ def test_batchnorm_on_learner_ga_in_fit_cbs_inference_never_hangs():
 
 @pytest.mark.parametrize('mode', ['groupnorm', 'renorm'])
 def test_conversion_happens_when_training_starts(mode):
-    learn = img_learner(4, [GradientAccumulation(2), BatchNormAccumulation(mode)], model=BNConvNet())
+    learn = img_learner(4, [GradientAccumulation(n_step=2), BatchNormAccumulation(mode)], model=BNConvNet())
     with learn.no_bar(), learn.no_logging(): learn.get_preds(); learn.validate()
     learn.summary()
     assert type(learn.model.body[1]) is nn.BatchNorm2d   # inference did not convert
@@ -202,7 +202,7 @@ def body_norms(learn): return [m for m in learn.model[0].modules() if isinstance
 
 def test_bnfreeze_freezes_renorm_layers():
     "BnFreeze + train_bn=False + a frozen body: the converted BatchRenorm layers keep their statistics (20/20 drifted before)"
-    learn = vision(cbs=[GradientAccumulation(2), BatchNormAccumulation('renorm'), BnFreeze()], train_bn=False)
+    learn = vision(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('renorm'), BnFreeze()], train_bn=False)
     learn.freeze()
     before = [m.running_mean.clone() for m in body_norms(learn)]
     fit_silent(learn, 1)
@@ -214,7 +214,7 @@ def test_bnfreeze_freezes_renorm_layers():
 @pytest.mark.parametrize('mode', ['renorm', 'groupnorm'])
 def test_train_bn_and_wd_bn_bias_treat_converted_layers_as_batchnorm(mode):
     "fine_tune's frozen phase: the converted norm layers of the frozen body still train (train_bn) without weight decay"
-    learn = vision(cbs=[GradientAccumulation(2), BatchNormAccumulation(mode)], wd=0.1)
+    learn = vision(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation(mode)], wd=0.1)
     learn.freeze()
     w0 = [m.weight.detach().clone() for m in body_norms(learn)]
     c0 = [p.detach().clone() for p in learn.model[0][0].parameters()]   # the frozen stem conv
@@ -232,7 +232,7 @@ def test_train_bn_and_wd_bn_bias_treat_converted_layers_as_batchnorm(mode):
 def big_and_accum(cbs_fn, n=24, micro=4, k=3, epochs=2, meth='fit', model=ConvNet, opt_func=SGD, lr=0.1, **kw):
     "Final weights of one run at batch micro*k and one at micro-batch `micro` x `k` with `cbs_fn()` in both"
     big = img_learner(micro*k, cbs_fn(), n=n, model=model(), opt_func=opt_func, lr=lr)
-    acc = img_learner(micro, [GradientAccumulation(k)] + cbs_fn(), n=n, model=model(), opt_func=opt_func, lr=lr)
+    acc = img_learner(micro, [GradientAccumulation(n_step=k)] + cbs_fn(), n=n, model=model(), opt_func=opt_func, lr=lr)
     cnt = StepCounter(); acc.add_cb(cnt)
     fit_silent(big, epochs, meth, **kw); fit_silent(acc, epochs, meth, **kw)
     return big, acc, cnt
@@ -263,7 +263,7 @@ def test_fit_one_cycle_and_recorder():
 def test_early_stopping_and_save_model(tmp_path):
     "Both stop at the same epoch and reload the same best weights; the next fit starts clean"
     def cbs(): return [EarlyStoppingCallback(patience=0, min_delta=10.), SaveModelCallback(fname='best')]
-    big = img_learner(12, cbs(), path=tmp_path/'b'); acc = img_learner(4, [GradientAccumulation(3)] + cbs(), path=tmp_path/'a')
+    big = img_learner(12, cbs(), path=tmp_path/'b'); acc = img_learner(4, [GradientAccumulation(n_step=3)] + cbs(), path=tmp_path/'a')
     fit_silent(big, 5); fit_silent(acc, 5)
     assert len(acc.recorder.values) == len(big.recorder.values) == 2
     assert rel_err(weights(acc), weights(big)) <= 1e-5 and grads_clean(acc.model)
@@ -285,13 +285,13 @@ def test_mixup_cutmix_window_gradient(cls):
             self.errs.append(rel_err(flat([p.grad for p in self.model.parameters()]), ref)); self.acc = []
     torch.manual_seed(0)
     spy,cnt = MicroSpy(),StepCounter()
-    learn = img_learner(4, [GradientAccumulation(3), cls(), spy, cnt])
+    learn = img_learner(4, [GradientAccumulation(n_step=3), cls(), spy, cnt])
     fit_silent(learn, 1)
     assert cnt.n == 2 and len(spy.errs) == 2 and max(spy.errs) <= 1e-5
 
 def test_lr_find():
     "lr_find holds each tried rate for a window; the model and optimizer come back as they were, gradients clean"
-    learn = img_learner(4, [GradientAccumulation(3)], n=48)
+    learn = img_learner(4, [GradientAccumulation(n_step=3)], n=48)
     w0 = weights(learn).clone(); cnt = StepCounter(); learn.add_cb(cnt)
     with warnings.catch_warnings(), learn.no_bar():
         warnings.simplefilter('ignore'); res = learn.lr_find(num_it=24, show_plot=False)
@@ -301,7 +301,7 @@ def test_lr_find():
 def test_fine_tune_vision_learner_pool():
     "vision_learner + fine_tune (freeze, fit, unfreeze, fit) with 'pool': steps counted, BN statistics one update a window"
     cnt = StepCounter()
-    learn = vision(cbs=[GradientAccumulation(2), BatchNormAccumulation('pool'), cnt], ps=0.)
+    learn = vision(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), cnt], ps=0.)
     bn = learn.model[0][1]
     fit_silent(learn, 1, 'fine_tune', freeze_epochs=1)
     assert cnt.n == learn.gradient_accumulation.steps + 2 == 4   # 2 windows a fit, 2 fits
@@ -321,7 +321,7 @@ def test_unet_ignore_index_exact_with_frozen_bn():
         return unet_learner(dls, resnet18, pretrained=False, normalize=False, n_out=3, opt_func=SGD,
                             loss_func=CrossEntropyLossFlat(axis=1, ignore_index=255), cbs=cbs + [BatchNormAccumulation('freeze')])
     big = make(12, [])
-    acc = make(4, [GradientAccumulation(3, n_items=lambda l: (l.yb[0] != 255).sum()), StepCounter()])
+    acc = make(4, [GradientAccumulation(n_step=3, n_items=lambda l: (l.yb[0] != 255).sum()), StepCounter()])
     w0 = weights(acc).clone()
     fit_silent(big, 1, lr=0.1); fit_silent(acc, 1, lr=0.1)
     ga = acc.gradient_accumulation
@@ -337,7 +337,7 @@ def test_tabular_learner_pool():
     dls = TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a','b'], y_names='y', y_block=CategoryBlock(),
                                      bs=4, shuffle=False, valid_idx=list(range(40, 48)), device='cpu')
     dls.train.shuffle = False; dls.train.drop_last = False
-    learn = tabular_learner(dls, layers=[8], n_out=2, cbs=[GradientAccumulation(5), BatchNormAccumulation('pool'), StepCounter()], lr=0.)
+    learn = tabular_learner(dls, layers=[8], n_out=2, cbs=[GradientAccumulation(n_step=5), BatchNormAccumulation('pool'), StepCounter()], lr=0.)
     fit_silent(learn, 1)
     bn = learn.model.bn_cont
     xs = torch.cat([b[1] for b in dls.train])   # the normalised continuous inputs, in training order (40 rows)
@@ -363,7 +363,7 @@ def test_text_classifier_awd_lstm_regularizer():
                                     loss_func=CrossEntropyLossFlat(), cbs=cbs + [BatchNormAccumulation('freeze')], **kw)
         l.recorder.train_metrics = False
         return l
-    acc,noreg = make(4, [GradientAccumulation(3), StepCounter()]),make(4, [GradientAccumulation(3)], alpha=0., beta=0.)
+    acc,noreg = make(4, [GradientAccumulation(n_step=3), StepCounter()]),make(4, [GradientAccumulation(n_step=3)], alpha=0., beta=0.)
     assert any(type(c).__name__ == 'RNNRegularizer' and c.alpha > 0 for c in acc.cbs)
     assert any(type(c).__name__ == 'ModelResetter' for c in acc.cbs)
     fit_silent(acc, 2); fit_silent(noreg, 2)
@@ -373,7 +373,7 @@ def test_text_classifier_awd_lstm_regularizer():
 
 # -- the Learner itself: export, pickle, deepcopy -----------------------------------------------------------------------
 def test_export_load_learner_and_deepcopy(tmp_path):
-    learn = img_learner(4, [GradientAccumulation(3), BatchNormAccumulation('pool')], model=BNConvNet(), path=tmp_path)
+    learn = img_learner(4, [GradientAccumulation(n_step=3), BatchNormAccumulation('pool')], model=BNConvNet(), path=tmp_path)
     fit_silent(learn, 1)
     bn = learn.model.body[1]
     assert bn.momentum == 0.1 and not bn._forward_hooks and not bn._forward_pre_hooks   # nothing left behind
@@ -392,6 +392,7 @@ def test_export_load_learner_and_deepcopy(tmp_path):
 # ====================================================================================================================
 # Coming from fastai's callback: `n_acc` (issue 23)
 # ====================================================================================================================
+@pytest.mark.filterwarnings("ignore:GradientAccumulation. n_acc=.* makes a window of:UserWarning")   # (fastai's test means it)
 def test_fastai_own_gradient_accumulation_tests_pass_with_ours():
     """fastai's own tests of its GradientAccumulation (nbs/18a_callback.training.ipynb, fastai 2.8), with ours swapped
     in: the same calls (`n_acc=` counts samples, windows carried across epochs, `n_acc=1e6` a float), the same asserts"""
