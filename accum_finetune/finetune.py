@@ -105,7 +105,7 @@ class Throughput(Callback):
 def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
                   precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=(),
                   bn_precise:int|str|None='auto')->Learner:
-    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step, micro_bs=micro_bs)`,
+    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step=n_step, micro_bs=micro_bs)`,
     the BatchNorm callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed`
     (the loaders' shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`, or `micro_bs`
     items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found).
@@ -126,7 +126,7 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
         raise ValueError(f"`bn_precise`: recomputed statistics need BatchNormAccumulation, and bn={mode!r} "
                          + ("has none" if mode == 'none' else "keeps the statistics frozen") + ": give another `bn`, or no `bn_precise`")
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
-                    cbs=[GradientAccumulation(n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode, precise=precise)] if mode != 'none' else [])
+                    cbs=[GradientAccumulation(n_step=n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode, precise=precise)] if mode != 'none' else [])
                         + precision_callbacks(precision) + [Throughput()] + list(cbs))
     learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode, bn_precise=precise,
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
