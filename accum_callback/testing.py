@@ -58,7 +58,14 @@ def launch_gloo(fn, world:int=2, args:tuple=(), kwargs:dict|None=None, threads:i
         port = free_port()
         ps = [ctx.Process(target=_rank_entry, args=(r, world, port, threads, timeout, d, fn, tuple(args), dict(kwargs or {})))
               for r in range(world)]
-        for p in ps: p.start()
+        # CPU processes: a GPU on the machine stays out of them (fastai and `to_fsdp` would otherwise put models there)
+        hidden = os.environ.get('CUDA_VISIBLE_DEVICES')
+        os.environ['CUDA_VISIBLE_DEVICES'] = ''
+        try:
+            for p in ps: p.start()
+        finally:
+            if hidden is None: del os.environ['CUDA_VISIBLE_DEVICES']
+            else: os.environ['CUDA_VISIBLE_DEVICES'] = hidden
         failed = None
         while any(p.is_alive() for p in ps):
             failed = next((r for r,p in enumerate(ps) if p.exitcode not in (None, 0)), None)

@@ -155,8 +155,10 @@ def resnet_args(doc:str, rounds:int, argv=None, extra=None):
 
 # -- processes ------------------------------------------------------------------------------------------------------
 def _context():
-    "Fork where the OS can (no second import, and any module-level function can run), else spawn"
-    return multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
+    """Fork where the OS can (no second import, and any module-level function can run), else spawn; spawn too once this
+    process has initialised CUDA (a forked child cannot use it)"""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return multiprocessing.get_context('fork' if 'fork' in multiprocessing.get_all_start_methods() and not cuda else 'spawn')
 
 def forked(target, *args):
     "Run `target(*args, conn)` in a fresh process and return what it sends through `conn`"

@@ -26,7 +26,9 @@ from accum_callback.testing import launch_gloo
 from apps import ROWS, BS, N_TRAIN, Row, Oracle, OOMAbove, quiet_fit
 from helpers import flat, rel_err
 
-TOL = 1e-5   # float32, relative: seen ~1e-7 where exact, 1e-3..1 where a suspect is on
+# float32, relative: seen ~1e-7 where exact on a CPU, 1e-3..1 where a suspect is on. On a GPU (fastai's loaders put the
+# learners there) cuBLAS/cuDNN pick other kernels for a micro-batch than for one batch: seen up to 1.7e-5 where exact
+TOL = 1e-4 if torch.cuda.is_available() else 1e-5
 
 # -- the columns ---------------------------------------------------------------------------------------------------
 # loader batch and GradientAccumulation arguments of each column that trains with the oracle
