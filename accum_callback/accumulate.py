@@ -164,6 +164,7 @@ class GradientAccumulation(Callback):
         bs = getattr(self.dls.train, 'bs', None)
         self._warn_nothing_accumulates(bs)
         if not self._warned: self._warn_ported(bs)
+        self._warn_not_large_batch()
         t = self.target_bs_sched() if self.target_bs_sched is not None and self.n_acc is None else None
         if t and bs and t > bs and t % bs and not self._warned:
             warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
@@ -197,6 +198,18 @@ class GradientAccumulation(Callback):
                           "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
                           stacklevel=3)
             self._warned = True
+
+    def _warn_not_large_batch(self):
+        "Layers that make a window other than the large batch whatever the rule, where cheap to see: said once"
+        if getattr(self, '_warned_layers', False): return
+        spectral = [n for n,m in self.learn.model.named_modules()
+                    if type(m).__name__ == '_SpectralNorm' or any(k.endswith('_u') and k[:-2] + '_orig' in dict(m.named_parameters(recurse=False))
+                                                                  for k,_ in m.named_buffers(recurse=False))]
+        if spectral:
+            warnings.warn(f"GradientAccumulation: spectral_norm ({spectral[0]}{' and others' if len(spectral) > 1 else ''}) "
+                          "runs its power iteration at every training forward: k micro-batches run it k times where one "
+                          "batch runs it once, so a window is not exactly the large batch (small; docs/fastai.md)", stacklevel=3)
+            self._warned_layers = True
 
     def _warn_nothing_accumulates(self, bs):
         "A setting under which no window holds more than one loader batch, uncut: said once, naming the argument"
