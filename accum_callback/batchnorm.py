@@ -67,10 +67,13 @@ class PooledStats:
     statistics in a fixed handful of batched and `_foreach` ops, whatever the number of layers; the item counts travel
     in one host-to-device copy (from pinned memory on a GPU).
 
-    `staged` (a compiled model): a forward writes into a staging slot that depends only on how often the layer already
-    ran in this micro-batch, never on the micro-batch's place in the window, and the slots are copied into the window
-    tensor after the backward (one copy a micro-batch): what torch.compile traces of the hooks is the same at every
-    micro-batch, so it compiles no graph more than without them."""
+    `staged` (a compiled model): no buffer is swapped (torch 2.4's dynamo traced the swap wrongly: statistics off by
+    several times their size); the layers keep momentum 0 (their running buffers unchanged), and the pre-hook writes the
+    micro-batch's mean and unbiased variance, one `var_mean` of the input, into a staging slot that depends only on how
+    often the layer already ran in this micro-batch, never on the micro-batch's place in the window; the slots are
+    copied into the window tensor after the backward (one copy a micro-batch). What torch.compile traces of the hooks is
+    the same at every micro-batch, so it compiles no graph more than without them. `num_batches_tracked`, which the
+    layers then count per forward, is set back to one count a window."""
     def __init__(self, bns:list, momenta:list, cap:int=1, staged:bool=False):
         self.bns,self.momenta = bns,momenta
         rm = bns[0].running_mean
@@ -87,6 +90,7 @@ class PooledStats:
         if staged:   # (layers that run twice in a forward get a second staging slot when they first do)
             self.stage,self.stage_views = None,[]
             self._grow_stage(1)
+            self.nbt_now = [None if bn.num_batches_tracked is None else int(bn.num_batches_tracked) for bn in bns]
         self.counts = [[] for _ in bns]   # per layer, the item count of each slot the window holds
         self.pending,self.n_pend = [],[0]*L   # (layer, items) of each forward of the micro-batch in progress; per layer
         self.stash = [None]*L
@@ -111,6 +115,17 @@ class PooledStats:
         bank,stash,world = self,self.stash,sync_batchnorm_world(self.bns[l])
         def pre(bn, inp):
             if not bn.training or bank.paused: return
+            if bank.staged and world == 1:
+                j = bank.n_pend[l]
+                if j >= len(bank.stage): bank._grow_stage(j+1)
+                m,v = bank.stage_views[l][j]
+                x = inp[0]
+                with torch.no_grad():   # what BatchNorm's kernel computes: in float32 at least, the unbiased variance
+                    var,mean = torch.var_mean(x if x.dtype in (torch.float32, torch.float64) else x.float(),
+                                              dim=[0, *range(2, x.ndim)], correction=1)
+                    m.copy_(mean); v.copy_(var)
+                bank.pending.append((l, x.numel()//bn.num_features)); bank.n_pend[l] += 1
+                return
             if bank.staged:
                 j = bank.n_pend[l]
                 if j >= len(bank.stage): bank._grow_stage(j+1)
@@ -190,8 +205,19 @@ class PooledStats:
         rms,rvs = [bn.running_mean for bn in self.bns],[bn.running_var for bn in self.bns]
         new = torch.cat(rms + rvs).view(2, -1).double().lerp_(torch.stack([mean, var]), table[J]).to(self.dtype)
         foreach('copy_')(rms + rvs, list(new.view(-1).split(self.sizes*2)))
+        if self.staged:   # the layers counted every forward: one count a window, from the host's tally
+            for l,c in enumerate(self.counts):
+                if c and self.nbt_now[l] is not None: self.nbt_now[l] += 1
+            self.fix_nbt()
+            return
         called = [bn.num_batches_tracked for bn,c in zip(self.bns, self.counts) if c and bn.num_batches_tracked is not None]
         if called: foreach('add_')(called, 1)
+
+    @torch.no_grad()
+    def fix_nbt(self):
+        "`staged`: every layer's `num_batches_tracked` as one count a stepped window makes (the forwards counted more)"
+        for bn,v in zip(self.bns, self.nbt_now):
+            if v is not None: bn.num_batches_tracked.fill_(v)
 
 class RecomputeGuard:
     """Activation checkpointing (`torch.utils.checkpoint`, reentrant or not) runs a block's forward again during the
@@ -253,7 +279,9 @@ class Pool(_Mode):
                 pre,post = bank.hooks(l)
                 self.handles += [bn.register_forward_pre_hook(pre), bn.register_forward_hook(post)]
             self.banks.append(bank)
-        for bn in bns: bn.momentum = 1.   # the forward writes exactly that micro-batch's mean and unbiased variance
+        for b in self.banks:   # the forward writes exactly that micro-batch's mean and unbiased variance (staged: the
+            for bn in b.bns:     # hook does, and the layer leaves its running buffers as they are)
+                bn.momentum = 0. if b.staged and sync_batchnorm_world(bn) == 1 else 1.
         self.guard = RecomputeGuard(bns)
     def before_batch(self):
         self._in_backward(False)   # (a backward that raised did not reach `after_backward`)
@@ -274,7 +302,9 @@ class Pool(_Mode):
     def restore(self):
         if getattr(self, 'guard', None) is not None: self._in_backward(False); self.guard.remove()
         for h in getattr(self, 'handles', ()): h.remove()
-        for b in getattr(self, 'banks', ()): b.restore_buffers()
+        for b in getattr(self, 'banks', ()):
+            b.restore_buffers()
+            if b.staged: b.fix_nbt()   # (the forwards of a window that did not step counted too)
         for bn,m in getattr(self, 'saved', ()): bn.momentum = m
         self.handles,self.banks,self.saved = [],[],[]
 
