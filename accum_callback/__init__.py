@@ -6,7 +6,7 @@ import importlib as _importlib, sys as _sys
 # name -> submodule. Loaded on first use (PEP 562), so that `python -m accum_callback --help` answers before torch and
 # fastai load; where fastai is loaded already (a notebook), everything loads now and `Learner.accumulate` is there at once.
 _API = dict(
-    GradientAccumulation='accumulate', Window='accumulate', PARTIAL_MODES='accumulate', is_out_of_memory='micro',
+    GradientAccumulation='accumulate', Window='window', PARTIAL_MODES='accumulate', is_out_of_memory='micro',
     stateful_modules='micro', MicroBatching='micro', check_accumulation='check', AccumulationReport='check', CHECK_CAUSES='check',
     loss_items='losses', loss_reduction='losses', default_blocks='fsdp', fsdp_full_state_dict='fsdp',
     WindowSchedule='schedule', as_window_schedule='schedule', batch_growth_from_lr='schedule',
@@ -20,8 +20,8 @@ __all__ = list(_API)
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
-_LAYERS = ('modes', 'compat', 'schedule', 'losses', 'norm_layers', 'distributed', 'guard', 'micro', 'precise', 'accumulate',
-           'batchnorm', 'check', 'fsdp', 'noise', 'testing')
+_LAYERS = ('modes', 'compat', 'schedule', 'losses', 'norm_layers', 'distributed', 'window', 'guard', 'micro', 'precise', 'replay',
+           'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'testing')
 
 def _load_all():
     import warnings

@@ -18,50 +18,11 @@ from .guard import (Listeners, add_fit_guard, in_inference, one_per_learner, ref
 from .losses import count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
 from .micro.loader import CutLoader, ReadAhead, batch_sizes
+from .advice import warn_at_fit_start
 from .schedule import PARTIAL_MODES, WindowSchedule, decide, flag, window_arguments, windows_started
+from .window import Phase, Window
 
-__all__ = ['GradientAccumulation', 'Window', 'PARTIAL_MODES']
-
-class Window:
-    """The accumulation window in progress, as a plain record: `learn.gradient_accumulation.window`. Its writes skip
-    fastai's `Callback.__setattr__` checks (several per micro-batch), and `BatchNormAccumulation` and tests read it.
-
-    Window fields: `n_micro` micro-batches counted (back-propagated), `n_samples`, `items` (the `n_items` sum),
-    `loss_sum` (item-weighted), `ref` (the loss-scale reference), `hypers` (the hyper-parameters its step uses),
-    `target` (its size in micro-batches or items; loader batches or items with `micro_bs`), `n_units` (loader batches
-    begun, with `micro_bs`). Current micro-batch: `bs`, `action` ('step', 'drop' or None: the
-    window stays open), `n` (its items, None until/unless its backward runs), `counted` (its backward ran and counts)."""
-    __slots__ = ('n_micro', 'n_samples', 'items', 'loss_sum', 'ref', 'hypers', 'target', 'n_units', 'unit_action',
-                 'bs', 'action', 'n', 'counted', 'resolved', 'step_cancelled', 'log', 'hypers_now', 'no_sync', 'summed')
-    def __init__(self): self.reset(); self.start_micro(); self.hypers_now = self.no_sync = None
-    def reset(self):
-        "Forget the window (what its micro-batches left in the gradients is the caller's to step or zero)"
-        self.n_micro,self.n_samples,self.items,self.loss_sum,self.ref,self.hypers,self.target = 0,0,0.,0.,None,None,None
-        self.n_units,self.unit_action = 0,None   # with `micro_bs`: loader batches in the window, and the last one's decision
-        self.summed = False   # the loss sums over its items (`reduction='sum'`): the window's gradient is the sum
-    def start_micro(self, bs:int=0, action=None):
-        self.bs,self.action,self.n,self.counted,self.resolved,self.step_cancelled,self.log = bs,action,None,False,False,False,None
-    @property
-    def is_open(self)->bool: "Has a micro-batch been counted since the last step?"; return self.n_micro > 0
-    def use_hypers(self, opt):
-        "The step uses the window's first hyper-parameters; the ones in force now are kept to be put back after it"
-        if not self.hypers: return
-        now = [dict(h) for h in opt.hypers]
-        keys = [k for k in self.hypers[0] if [h.get(k) for h in self.hypers] != [h.get(k) for h in now]]
-        if not keys: return
-        self.hypers_now = (now, keys)
-        for k in keys: opt.set_hyper(k, [h.get(k) for h in self.hypers])
-    def put_back_hypers(self, opt):
-        "After the step: the values a schedule or another callback set (e.g. ReduceLROnPlateau) are in force again"
-        if self.hypers_now is None: return
-        (now,keys),self.hypers_now = self.hypers_now,None
-        for k in keys: opt.set_hyper(k, [h.get(k) for h in now])
-    def exit_no_sync(self):
-        if self.no_sync is not None: ctx,self.no_sync = self.no_sync,None; exit_no_sync(ctx)
-    def __repr__(self): return (f"Window(n_micro={self.n_micro}, n_samples={self.n_samples}, items={self.items}, "
-                                f"target={self.target}, action={self.action!r})")
-
-_UNDO_FIELDS = tuple(k for k in Window.__slots__ if k not in ('n_units', 'unit_action', 'target'))   # put back by an undo
+__all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
 class GradientAccumulation(Callback):
@@ -128,7 +89,7 @@ class GradientAccumulation(Callback):
     @property
     def window_start(self)->bool: "Is the micro-batch being processed the first of its window?"; return self.window.n_micro == 0
     @property
-    def closes(self)->bool: "Does the micro-batch being processed close its window (step or drop)?"; return self.window.action is not None
+    def closes(self)->bool: "Does the micro-batch being processed close its window (step or drop)?"; return self.window.closes
     def on_window_close(self, fn):
         "Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients zeroed"
         return self._listeners.add(fn)
@@ -141,9 +102,8 @@ class GradientAccumulation(Callback):
     # -- what `MicroBatching` reads and undoes -------------------------------------------------------------------
     def window_state(self)->tuple[dict,bool]:
         "What undoing the micro-batch in progress puts back in the window (`restore_window`), and whether the window holds gradients"
-        return {k: getattr(self.window, k) for k in _UNDO_FIELDS},bool(self.window.n_micro)
-    def restore_window(self, state:dict):
-        for k,v in state.items(): setattr(self.window, k, v)
+        return self.window.snapshot(),self.window.is_open
+    def restore_window(self, state:dict): self.window.restore(state)
     def _micro(self)->MicroBatching|None:
         return micro_batching(self.learn) if self.learn is not None else None
 
@@ -161,73 +121,7 @@ class GradientAccumulation(Callback):
         self._clock = None
         # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
         if self.mb is None: self.learn.add_cb(CutLoader(self))
-        bs = getattr(self.dls.train, 'bs', None)
-        self._warn_nothing_accumulates(bs)
-        if not self._warned: self._warn_ported(bs)
-        self._warn_not_large_batch()
-        t = self.target_bs_sched() if self.target_bs_sched is not None and self.n_acc is None else None
-        if t and bs and t > bs and t % bs and not self._warned:
-            warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
-                          f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
-                          "gradient of its window", stacklevel=2)
-            self._warned = True
-
-    def _warn_ported(self, bs):
-        """What a recipe ported from fastai may mean otherwise, said once at fit start with the steps an epoch each reading
-        gives: a count without its name (fastai's counts samples), a window over most of an epoch"""
-        sizes = batch_sizes(self.dls.train) if bs else []
-        if not sizes: return
-        steps = lambda t, items: windows_started(sizes, t, items, 'step', False)
-        if self.count is not None and self.n_step_sched.kind == 'const':
-            k = self.count
-            warnings.warn(f"GradientAccumulation({k}): a count without its name is read as n_step, {k} micro-batches a step "
-                          f"({k} batches of {bs} = {k*bs} items, {steps(k, False)} optimizer steps an epoch here); fastai's "
-                          f"GradientAccumulation({k}) counts samples (n_acc={k}: {steps(k, True)} steps an epoch). Write "
-                          f"GradientAccumulation(n_step={k}) or GradientAccumulation(n_acc={k}); a count without its name will "
-                          "mean fastai's n_acc in a later version", stacklevel=3)
-            self._warned = True
-            return
-        sc = self.sched
-        if sc.kind != 'const' or self.mb is not None or len(sizes) < 8: return
-        by_items = self.n_step_sched is None
-        units = sc.const if not by_items else next((i+1 for i in range(len(sizes)) if sum(sizes[:i+1]) >= sc.const), len(sizes)+1)
-        if units*2 > len(sizes):
-            name = 'n_step' if not by_items else ('n_acc' if self.n_acc is not None else 'target_bs')
-            warnings.warn(f"GradientAccumulation: {name}={sc.const} makes a window of {min(units, len(sizes))} of the epoch's "
-                          f"{len(sizes)} loader batches: {steps(sc.const, by_items)} optimizer step(s) an epoch. If that is "
-                          "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
-                          stacklevel=3)
-            self._warned = True
-
-    def _warn_not_large_batch(self):
-        "Layers that make a window other than the large batch whatever the rule, where cheap to see: said once"
-        if getattr(self, '_warned_layers', False): return
-        spectral = [n for n,m in self.learn.model.named_modules()
-                    if type(m).__name__ == '_SpectralNorm' or any(k.endswith('_u') and k[:-2] + '_orig' in dict(m.named_parameters(recurse=False))
-                                                                  for k,_ in m.named_buffers(recurse=False))]
-        if spectral:
-            warnings.warn(f"GradientAccumulation: spectral_norm ({spectral[0]}{' and others' if len(spectral) > 1 else ''}) "
-                          "runs its power iteration at every training forward: k micro-batches run it k times where one "
-                          "batch runs it once, so a window is not exactly the large batch (small; docs/fastai.md)", stacklevel=3)
-            self._warned_layers = True
-
-    def _warn_nothing_accumulates(self, bs):
-        "A setting under which no window holds more than one loader batch, uncut: said once, naming the argument"
-        if not bs or self._warned: return
-        mb,msg = self.mb,None
-        size = mb.size if mb is not None and not mb.auto else None
-        if size is not None and size > bs:
-            msg = (f"micro_bs={size} is larger than the loader's batch ({bs}): no batch is cut, so nothing is accumulated "
-                   f"that the loader batch does not hold already: give micro_bs below {bs}, or load larger batches")
-        t = self.target_bs_sched.const if self.target_bs_sched is not None and self.target_bs_sched.kind == 'const' else None
-        if t is not None and t < bs and mb is None:
-            name = 'n_acc' if self.n_acc is not None else 'target_bs'
-            msg = (f"{name}={t} is below the loader's batch ({bs}): every window is one batch of {bs} items and "
-                   f"nothing accumulates (fastai's callback multiplied such a step's gradient by bs/{name} = {bs/t:g}). For steps of {t} items, load "
-                   f"batches smaller than {t}; for steps of several batches, give a larger {name} or n_step")
-        if msg:
-            warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
-            self._warned = True
+        warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
 
     def refuse_fit(self): "What this fit is refused for (`guard.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn)
 
@@ -322,32 +216,22 @@ class GradientAccumulation(Callback):
     def before_backward(self):
         learn,w = self.learn,self.window
         n = micro_items(learn, self.n_items, w.bs)   # the count the micro-batch's loss averages over
-        if not w.n_micro:
-            # Hyper-parameters the schedule gives at the window's first micro-batch are the ones its step uses
-            w.hypers = [dict(h) for h in learn.opt.hypers]
-            # Loss scale reference: the backward loss keeps the size of one mean-reduced loss. Under DDP every rank
-            # needs the same constant, so it is the loader's batch size there.
-            w.ref = float(learn.dls.train.bs) if is_distributed(learn.model) else (n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1))
-            # a known loss class with reduction='sum': the big batch's loss is the sum of the micro-batches' sums
-            w.summed = loss_reduction(learn.loss_func) == 'sum'
-        w.n = n
-        if not w.summed: learn.loss_grad = learn.loss_grad * (n/w.ref)
+        # the window's first micro-batch: its reference (under DDP the loader's batch size, the same on every rank), the
+        # loss's kind, and the hyper-parameters the schedule gives now, which its step uses
+        if not w.n_micro: w.begin(n, loss_reduction(learn.loss_func) == 'sum', learn.dls.train.bs if is_distributed(learn.model) else None,
+                                  [dict(h) for h in learn.opt.hypers])
+        w.pending = n
+        if not w.summed: learn.loss_grad = learn.loss_grad * w.loss_weight(n)
 
     # Another callback cancelled the backward (before or after our `before_backward`): nothing of it counts
-    def after_cancel_backward(self): self.window.n = None
+    def after_cancel_backward(self): self.window.pending = None
 
     def after_backward(self):
         w = self.window
         w.exit_no_sync()
-        n = w.n
-        if n is None: return
-        w.n_micro += 1; w.n_samples += w.bs; w.items = w.items + n; w.counted = True
+        if w.pending is None: return
         loss = self.learn.loss.detach()
-        loss = loss.to(count_dtype(loss))
-        # a micro-batch of zero items (all ignore_index, all padding) contributes zero, also when its mean loss is NaN
-        if w.summed: w.loss_sum = w.loss_sum + loss
-        elif isinstance(n, torch.Tensor): w.loss_sum = w.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
-        elif n > 0: w.loss_sum = w.loss_sum + loss*n
+        w.add(w.pending, w.bs, loss.to(count_dtype(loss)))
 
     def before_step(self):
         w,opt = self.window,self.learn.opt
@@ -362,28 +246,27 @@ class GradientAccumulation(Callback):
             if self.skip_nonfinite or items <= 0: self.n_skipped += 1; self._close(False); raise CancelBatchException()
         if self._ranks_retry(): all_reduce_grads([p for p,*_ in opt.all_params()]); world = 1   # none ran in no_sync
         else: world = world_size(self.learn.model)   # DDP averaged the gradients over the ranks
-        scale = float(world) if w.summed else float(w.ref)*world/items   # DDP averaged over the ranks: undo that for a sum
+        scale = w.step_scale(items, world)
         grads = [p.grad for p,*_ in opt.all_params(with_grad=True)]
         if grads and scale != 1.: foreach('mul_')(grads, scale)
         w.use_hypers(opt)
-        w.log = (w.n_samples, items, loss_sum/items, w.n_micro)
+        w.stepping(items, loss_sum)
 
     # The loop calls `after_step` after `after_cancel_step` too (e.g. the grad scaler found an overflow and skipped)
-    def after_cancel_step(self): self.window.step_cancelled = True
+    def after_cancel_step(self): self.window.step_cancelled()
 
     def after_step(self):
         w = self.window
         w.put_back_hypers(self.learn.opt)
         # A callback ordered before us cancelled the step of a micro-batch that does not close its window (our
         # `before_step` did not run): skip the loop's `zero_grad`, which would empty the window's first part
-        if w.action is None and w.step_cancelled and not w.resolved: raise CancelBatchException()
-        if w.resolved or w.action is None: return
-        stepped = w.log is not None and not w.step_cancelled
-        if stepped:
-            seen,items,loss,k = w.log
-            self.window_sizes.append(seen); self.window_items.append(items); self.window_losses.append(loss); self.window_micro.append(k)
+        if w.action is None and w.phase is Phase.CANCELLED: raise CancelBatchException()
+        if w.closed or w.action is None: return
+        if w.stepped:
+            r = w.record
+            self.window_sizes.append(r.samples); self.window_items.append(r.items); self.window_losses.append(r.loss); self.window_micro.append(r.micro)
         else: self.n_step_cancelled += 1
-        self._close(stepped, zero=False)   # the loop zeroes the gradients right after `after_step`
+        self._close(w.stepped, zero=False)   # the loop zeroes the gradients right after `after_step`
 
     def after_batch(self): self._end_micro()
 
@@ -392,14 +275,14 @@ class GradientAccumulation(Callback):
         "Finish the micro-batch: leave no_sync, put hyper-parameters back, and drop a window whose step was cancelled after its backward"
         w = self.window
         w.exit_no_sync(); w.put_back_hypers(self.learn.opt)
-        if w.action is not None and not w.resolved and (w.counted or w.log is not None):
+        if w.action is not None and not w.closed and (w.counted or w.record is not None):
             self.n_step_cancelled += 1; self._close(False)
-        w.action = None
+        w.end_micro()
 
     def _close(self, stepped:bool, zero:bool=True):
         "The window is over: stepped, or not (its gradients zeroed); tell the listeners"
         if not stepped and zero: self._zero_grads()
-        self.window.resolved = True; self.window.reset()
+        self.window.close()
         self._listeners(stepped)
 
     def _zero_grads(self): zero_grads(self.learn.model, getattr(self.learn, 'opt', None), reshard=self.gathered_params)

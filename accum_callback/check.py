@@ -4,12 +4,10 @@ an experiment that switches the suspect off and sees the difference vanish, neve
 check works on a copy of the model: the Learner (weights, buffers, optimizer, RNG states, gradients, train/eval mode,
 callbacks) is left exactly as it was."""
 from __future__ import annotations
-import contextlib, math, random
+import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from fastai.callback.fp16 import MixedPrecision
 from fastai.learner import Learner
 from fastai.torch_core import find_bs, to_device
 from fastcore.basics import patch
@@ -17,12 +15,12 @@ from fastcore.basics import patch
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .compat import BatchNormBase
-from .distributed import is_fsdp, unwrap
-from .losses import loss_reduction, micro_items
-from .micro.loader import loader_pieces, model_device, own_loader
-from .micro import (RowStates, cat_outputs, copy_module, halved, is_out_of_memory, n_pieces,
-                    micro_batching, slice_batch, stateful_modules)
-from .norm_layers import is_batchnorm
+from .distributed import is_fsdp
+from .losses import loss_reduction
+from .micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
+from .micro.loader import model_device
+from .precise import rngs_kept
+from .replay import Replay, flat_out, micro_batches, training_model
 from .schedule import whole_number
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
@@ -95,95 +93,15 @@ class AccumulationReport:
         return '| check_accumulation | |\n|---|---|\n' + '\n'.join(f'| {k} | {v} |' for k,v in self.rows())
     __repr__ = __str__
 
-# -- taking the micro-batches ----------------------------------------------------------------------------------------------
-def _micro_batches(learn, n_step:int, size, shuffle:bool=False, seed:int=0)->tuple[list,list,object]:
-    """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, where
-    each comes from: `(rows start, rows end, loader batch size)`, and that loader"""
-    out,where = [],[]
-    for b,w in loader_pieces(learn, size):
-        out.append(b); where.append(w)
-        if len(out) == n_step: return out,where,own_loader(learn)
-    raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
-                     "pass a smaller n_step")
-
-
-def _replayed(learn)->list:
-    """The Learner's callbacks that shape what the loss sees in a training step (`after_pred`: fastai's RNNCallback keeps
-    the output the loss takes, a wrapper picks a model's logits; `after_loss`: RNNRegularizer's AR/TAR terms), in their
-    order. Not ours, not mixed precision (the check runs autocast itself), not fastai's own GradientAccumulation."""
-    from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-    return [cb for cb in learn.cbs.sorted('order')
-            if not isinstance(cb, (MixedPrecision, FastaiGradientAccumulation)) and not type(cb).__module__.startswith('accum_callback')
-            and any(callable(getattr(type(cb), e, None)) for e in ('after_pred', 'after_loss'))]
-
-_STEP_KEYS = ('xb', 'yb', 'pred', 'loss', 'loss_grad', 'training')
-
-@contextlib.contextmanager
-def _sandbox(learn, cbs:list):
-    "Whatever replaying `cbs`' events sets on the Learner (its step's attributes) and on the callbacks is put back after"
-    saved = {k: learn.__dict__[k] for k in _STEP_KEYS if k in learn.__dict__}
-    states = [(cb, dict(cb.__dict__)) for cb in cbs]
-    try: yield
-    finally:
-        for k in _STEP_KEYS: learn.__dict__.pop(k, None)
-        learn.__dict__.update(saved)
-        for cb,d in states: cb.__dict__.clear(); cb.__dict__.update(d)
-
-def _replay(learn, cbs:list, event:str):
-    for cb in cbs:
-        try: cb(event)
-        except Exception as e:
-            what = (f"raised {type(e).__name__}: the check cannot follow a callback that cancels a micro-batch; run it "
-                    f"with that callback removed (`with learn.removed_cbs(cb): learn.check_accumulation()`)"
-                    if type(e).__name__.startswith('Cancel') else f"failed: {e}")
-            raise RuntimeError(f"check_accumulation: replaying `{type(cb).__name__}.{event}` (what training runs between "
-                               f"the model and the backward) on the check's copy {what}") from e
-
-def _split_xy(learn, b):
-    i = getattr(learn.dls, 'n_inp', 1 if len(b) == 1 else len(b)-1)
-    return tuple(b[:i]),tuple(b[i:])
-
-class _View:
-    "What `n_items(learn)` reads: this micro-batch's `xb`, `yb`, `pred`, `loss`; anything else from the Learner"
-    def __init__(self, learn, **kw): self.__dict__.update(kw); self._learn = learn
-    def __getattr__(self, k): return getattr(self.__dict__['_learn'], k)
-
 # -- the experiments ---------------------------------------------------------------------------------------------------------
-class Runner:
-    """Gradients and outputs of a copy of the model, accumulated over micro-batches or in one batch, under switches.
-
-    Micro-batches are addressed by index into `batches`; `where[i]` says where micro-batch i comes from. Two sets of them
-    serve the output experiments: `exp` (the first two, which show a layer that mixes samples, or, on a model with
-    per-row state cut in pieces, up to the first piece of the second loader batch, where the state carries over) and
-    `clean` (the first micro-batch in two halves, each from its own rows of a stateful model's state: a set where one
-    batch and its parts compute the same on a per-sample model, so that BatchNorm's and dropout's effects show alone)"""
-    def __init__(self, learn, batches, model, ga, bna, where:list, dl=None):
-        self.learn,self.ga,self.bna,self.dl = learn,ga,bna,dl
-        self.model0,self.replay = model,_replayed(learn)
-        self.stateful = any(map(any, stateful_modules(model)))   # splittable or not: its state is copied per pass
-        self.load(batches, where)
-        self.model = copy_module(model)
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
-        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
-        amp = getattr(mp, 'amp_mode', None) if mp is not None else None
-        self.autocast = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
-        # fastai's MixedPrecision autocasts on CUDA only (`autocast('cuda')`): a model on the CPU trains in its own dtype
-        if model_device(model).type != 'cuda': self.autocast = None
-        p = next(iter(model.parameters()), None)
-        self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
-        self.loss_dtype = None   # the dtype the loss came out in (fastai's flattened losses give float32 for float64 input)
-        self.recomputed_bn = False   # a BatchNorm forward ran during a backward (activation checkpointing)
-        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-        self.loss_terms = True   # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
-
+class Experiments(Replay):
+    """The replay engine with the check's experiments. Two sets of micro-batches serve the output experiments: `exp`
+    (the first two, which show a layer that mixes samples, or, on a model with per-row state cut in pieces, up to the
+    first piece of the second loader batch, where the state carries over) and `clean` (the first micro-batch in two
+    halves, each from its own rows of a stateful model's state: a set where one batch and its parts compute the same on a
+    per-sample model, so that BatchNorm's and dropout's effects show alone)"""
     def load(self, batches:list, where:list):
-        "The micro-batches to run (a window), where each comes from, and the experiments' sets of them"
-        self.batches = [_split_xy(self.learn, b) for b in batches]
-        self.where = list(where)
-        self.n_window = len(self.batches)   # the window's micro-batches; the halves below come after them
-        # pieces of loader batches on a model with per-row state: each starts from its own rows, as under micro_bs
-        self.cut_rows = self.stateful and any((s, e) != (0, n) for s,e,n in self.where)
+        super().load(batches, where)
         starts = [i for i,(s,_,_) in enumerate(self.where) if s == 0 and i > 0]
         self.exp = list(range(starts[0]+1 if self.cut_rows and starts else min(2, len(self.batches))))
         s,e,n = self.where[0]
@@ -194,138 +112,6 @@ class Runner:
             self.where += [(s, m, n), (m, e, n)]
             self.clean = [self.n_window, self.n_window+1]
         else: self.clean = self.exp
-
-    @property
-    def window(self)->list: return list(range(self.n_window))
-    @property
-    def adds_loss_terms(self)->bool:
-        "Does a replayed callback add to the loss after it is computed (RNNRegularizer's AR/TAR)?"
-        return any(callable(getattr(type(cb), 'after_loss', None)) for cb in self.replay)
-
-    def fresh(self):
-        "The copy as the Learner's model is now (buffers, and any state a stateful model carries), the RNG as it was"
-        if self.stateful: self.model = copy_module(self.model0)
-        else:
-            with torch.no_grad():
-                for b,v in self.buffers: b.copy_(v)
-            for m,k in self.steps: m.renorm_steps = k
-        torch.set_rng_state(self.rng[0])
-        if self.rng[1] is not None: torch.cuda.set_rng_state_all(self.rng[1])
-        return self.model
-
-    def modes(self, m, bn:bool, drop:bool):
-        """Training mode as the Learner trains (`bn`, `drop` True), with BatchNorm's batch statistics off (`bn` False: its
-        running statistics, as in eval) or every other train-mode behaviour off (`drop` False: dropout, drop-path...)"""
-        m.train(drop)
-        frozen = self.bna is not None and self.bna.mode == 'freeze'
-        for mod in m.modules():
-            if isinstance(mod, BatchNormBase): mod.train(bn and not frozen)   # BatchNorm, SyncBatchNorm, Batch Renorm
-
-    def _ctx(self, m):
-        dev = model_device(m).type
-        return torch.autocast(dev, dtype=self.autocast) if self.autocast is not None else torch.autocast(dev, enabled=False)
-
-    def forward(self, m, xb, yb):
-        """(prediction, loss) as the Learner's training step computes them: the model's output through the callbacks'
-        `after_pred`, the loss through their `after_loss` (see `_replayed`)"""
-        lf = self.learn.loss_func
-        with self._ctx(m):
-            raw = m(*xb)
-            if not self.replay: return raw,lf(raw, *yb)
-        L = self.learn
-        with _sandbox(L, self.replay):
-            pred = self._pred(raw, xb, yb)
-            with self._ctx(m): L.loss_grad = lf(pred, *yb)
-            L.loss = L.loss_grad.clone()
-            if self.loss_terms: _replay(L, self.replay, 'after_loss')
-            return pred,L.loss_grad
-
-    def _pred(self, raw, xb, yb):
-        "The model's output `raw` through the callbacks' `after_pred`, what the loss sees (inside `_sandbox`)"
-        L = self.learn
-        L.xb,L.yb,L.pred,L.training = xb,yb,raw,True
-        _replay(L, self.replay, 'after_pred')
-        return L.pred
-
-    def _seen(self, raw, xb, yb):
-        "What the loss sees of the model's output `raw`, the Learner put back after"
-        if not self.replay: return raw
-        with _sandbox(self.learn, self.replay): return self._pred(raw, xb, yb)
-
-    def joined(self, idxs)->tuple:
-        """`(xb, yb)` of one batch of the micro-batches `idxs`: joined along the batch dimension, or, for micro-batches
-        padded to other lengths (text), the loader's own batch of those samples"""
-        try: return tuple(cat_outputs([self.batches[i][k] for i in idxs]) for k in (0, 1))
-        except RuntimeError: return self._collated(idxs)
-
-    def _collated(self, idxs):
-        "The first loader batch of a loader of the same samples with a batch of all the micro-batches `idxs`"
-        covered = list(idxs) == list(range(len(idxs))) and all(i < self.n_window for i in idxs) and \
-                  self.where[idxs[-1]][1] == self.where[idxs[-1]][2]   # the first whole loader batches
-        if not covered or self.dl is None or not hasattr(self.dl, 'new'):
-            raise ValueError("check_accumulation: the micro-batches have different shapes (padded to other lengths?) and "
-                             "are not whole loader batches, so one batch of them cannot be formed: pass an `n_step` of "
-                             "whole loader batches")
-        n = sum(e-s for s,e,_ in (self.where[i] for i in idxs))
-        b = next(iter(self.dl.new(bs=n, shuffle=False, drop_last=False)))   # (its order: the loader's own, unshuffled)
-        return _split_xy(self.learn, to_device(b, model_device(self.model0)))
-
-    def pieces(self, m, idxs):
-        "Yield the micro-batches `idxs` as `(xb, yb)`; a model with per-row state starts each piece from its own rows"
-        rows = RowStates(stateful_modules(m)[0] if (self.cut_rows or self.stateful) else [])
-        for i in idxs:
-            s,e,n = self.where[i]
-            cut = (s, e) != (0, n)
-            if rows and cut:
-                if s == 0 or rows.n is None: rows.begin(n)
-                rows.enter(s, e)
-            yield self.batches[i]
-            if rows and cut:
-                rows.leave(s, e)
-                if e == n: rows.end()
-
-    def count(self, xb, yb, pred, loss)->float:
-        "Items the micro-batch's mean loss averages over (as the Learner's `GradientAccumulation` counts them), a float"
-        view = _View(self.learn, xb=xb, yb=yb, pred=pred, loss=loss, loss_grad=loss)
-        return float(micro_items(view, getattr(self.ga, 'n_items', None), find_bs(yb if len(yb) else xb)))
-
-    def grads(self, accumulate:bool, bn=True, drop=True)->tuple[torch.Tensor,bool]:
-        "(flat gradient, all finite) as the Learner's step would see it, or of the one big batch (names in `self.names`)"
-        m = self.fresh(); self.modes(m, bn, drop)
-        for p in m.parameters(): p.grad = None
-        lf,finite = self.learn.loss_func,True
-        summed = loss_reduction(lf) == 'sum'
-        if accumulate:
-            items,ref = 0.,None
-            for xb,yb in self.pieces(m, self.window):
-                pred,loss = self.forward(m, xb, yb)
-                self.loss_dtype = loss.dtype
-                n = self.count(xb, yb, pred, loss)
-                if ref is None: ref = max(n, 1.)
-                finite = finite and bool(torch.isfinite(loss).all())
-                with self._watch_recompute(m): (loss if summed else loss*(n/ref)).backward()
-                items += n
-            scale = 1. if summed else ref/items
-        else:
-            xb,yb = self.joined(self.window)
-            _,loss = self.forward(m, xb, yb)
-            finite = bool(torch.isfinite(loss).all())
-            loss.backward(); scale = 1.
-        ps = [(n, p) for n,p in m.named_parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for _,p in ps]) if ps else torch.zeros(0)
-        if scale != 1.: flat.mul_(scale)
-        self.names,self.sizes = [n for n,_ in ps],[p.numel() for _,p in ps]
-        return flat,finite and math.isfinite(float(flat.norm()))   # an inf or NaN anywhere makes the norm so
-
-    @contextlib.contextmanager
-    def _watch_recompute(self, m):
-        "Does a BatchNorm layer in training mode run during the backward (activation checkpointing recomputes it)?"
-        def seen(mod, inp):
-            if mod.training: self.recomputed_bn = True
-        hs = [mod.register_forward_pre_hook(seen) for mod in m.modules() if isinstance(mod, BatchNormBase)]
-        try: yield
-        finally:
-            for h in hs: h.remove()
 
     @torch.no_grad()
     def train_effects(self, idxs)->tuple[bool,bool]:
@@ -340,19 +126,18 @@ class Runner:
                 torch.rand(1)
                 if model_device(m).type == 'cuda': torch.rand(1, device=model_device(m))
             bufs = [(b, b.detach().clone()) for mod in m.modules() if not isinstance(mod, BatchNormBase) for b in mod.buffers(recurse=False)]
-            with self._ctx(m): outs.append(_flat_out(self._seen(m(*xb), xb, yb)))
+            with self._ctx(m): outs.append(flat_out(self._seen(m(*xb), xb, yb)))
             state = state or any(not torch.equal(b, v) for b,v in bufs)
         return not torch.equal(*outs),state
 
     @torch.no_grad()
-    def outputs(self, idxs, bn:bool, drop:bool, keep:bool=False)->float:
+    def outputs(self, idxs, bn:bool, drop:bool)->tuple[float,list]:
         """Relative difference between what the loss sees (the output through the callbacks' `after_pred`) of the
-        micro-batches `idxs` run one after the other and of one batch of them"""
+        micro-batches `idxs` run one after the other and of one batch of them, and the micro-batches' outputs"""
         whole = self.whole(idxs, bn, drop)
         m = self.fresh(); self.modes(m, bn, drop)
         with self._ctx(m): preds = [self._seen(m(*xb), xb, yb) for xb,yb in self.pieces(m, idxs)]
-        if keep: self.quiet_preds = preds
-        return _rel(_flat_out(cat_outputs(preds)), _flat_out(whole))
+        return _rel(flat_out(cat_outputs(preds)), flat_out(whole)),preds
 
     @torch.no_grad()
     def whole(self, idxs, bn:bool, drop:bool):
@@ -362,14 +147,14 @@ class Runner:
         with self._ctx(m): return self._seen(m(*xb), xb, yb)
 
     @torch.no_grad()
-    def loss_split(self)->tuple[float,float]:
-        """The loss of the experiment's micro-batches together against their own losses, on the same predictions (those
-        of the deterministic `outputs(exp, False, False)` run): (error of the counts-weighted mean the Learner uses, error
-        of a plain sum)"""
+    def loss_split(self, preds:list)->tuple[float,float]:
+        """The loss of the experiment's micro-batches together against their own losses, on the same predictions `preds`
+        (those of the deterministic `outputs(exp, False, False)` run): (error of the counts-weighted mean the Learner
+        uses, error of a plain sum)"""
         lf,bs,(_,yb_all) = self.learn.loss_func,[self.batches[i] for i in self.exp],self.joined(self.exp)
-        big = float(lf(cat_outputs(self.quiet_preds), *yb_all))   # the same predictions, as one batch
+        big = float(lf(cat_outputs(preds), *yb_all))   # the same predictions, as one batch
         ls,ns = [],[]
-        for p,(xb,yb) in zip(self.quiet_preds, bs):
+        for p,(xb,yb) in zip(preds, bs):
             ls.append(float(lf(p, *yb))); ns.append(self.count(xb, yb, p, None))
         if loss_reduction(lf) == 'sum': mean = sum(ls)
         else: mean = sum(l*n for l,n in zip(ls, ns) if n > 0)/max(sum(ns), 1e-30)
@@ -382,15 +167,9 @@ class Runner:
         errs = []
         for on in (True, False):
             self.loss_terms = on
-            try: errs.append(_rel(self.grads(True, bn=False, drop=False)[0], self.grads(False, bn=False, drop=False)[0]))
+            try: errs.append(_rel(self.grads(True, bn=False, drop=False).flat, self.grads(False, bn=False, drop=False).flat))
             finally: self.loss_terms = True
         return tuple(errs)
-
-def _flat_out(o):
-    if isinstance(o, torch.Tensor): return o.detach().double().reshape(-1)
-    if isinstance(o, (tuple, list)): return torch.cat([_flat_out(x) for x in o]) if o else torch.zeros(0, dtype=torch.float64)
-    if isinstance(o, dict): return _flat_out(list(o.values()))
-    return torch.zeros(0, dtype=torch.float64)
 
 def _worst(names, sizes, a, b, tol, k=3)->list:
     """The `k` parameter tensors whose gradients are furthest off (relative), above `tol`. A tensor whose gradient is, in
@@ -434,35 +213,26 @@ def _run_check(learn, n_step:int|None=None)->AccumulationReport:
     if is_fsdp(learn.model):
         raise ValueError("check_accumulation: the model is sharded with FSDP2; run the check before sharding it (on one "
                          "process), or under DDP, where each rank checks its own samples")
-    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             random.getstate(), np.random.get_state())
-    try:
-        batches,where,dl = _micro_batches(learn, n_step, size)
-        model = unwrap(learn.model)   # under DDP each rank checks its own samples, without collectives
-        if bna is not None and bna.converts and any(is_batchnorm(m) for m in model.modules()):
-            model = bna.convert(copy_module(model))   # as training will convert it, on a copy
-        rep = _check(learn, batches, model, ga, bna, n_step, where, dl)
-        rep.note = note
-        return rep
-    finally:
-        torch.set_rng_state(saved[0])
-        if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
-        random.setstate(saved[2]); np.random.set_state(saved[3])
+    with rngs_kept():
+        batches,where,dl = micro_batches(learn, n_step, size)
+        rep = _check(learn, batches, training_model(learn, bna), ga, bna, n_step, where, dl)
+    rep.note = note
+    return rep
 
 def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->AccumulationReport:
-    r = Runner(learn, batches, model, ga, bna, where, dl)
+    r = Experiments(learn, batches, model, ga, bna, where, dl)
     sizes = [find_bs(b) for b in batches]
-    acc,fa = r.grads(True)
+    acc,fa,names,psizes = r.grads(True)
     # judged at the precision training really runs in: the model's (or autocast's), or the loss's where coarser
     dtype = max((r.dtype, r.loss_dtype or r.dtype), key=lambda d: _TOL.get(d, 1e-5))
     tol = _TOL.get(dtype, 1e-5)
     ref = 'device'
-    try: big,fb = r.grads(False)
+    try: big,fb,*_ = r.grads(False)
     except Exception as e:   # the big batch does not fit where the micro-batches do: compute it on the CPU
         if not is_out_of_memory(e): raise
         r.model0,r.model = copy_module(r.model0).cpu(),None
         r.batches = [to_device(b, 'cpu') for b in r.batches]; r.buffers = []; r.stateful = True
-        try: big,fb = r.grads(False)
+        try: big,fb,*_ = r.grads(False)
         except Exception as e:
             if not is_out_of_memory(e): raise
             raise RuntimeError(f"check_accumulation: one batch of the {sum(sizes)} items of n_step={n_step} micro-batches "
@@ -470,7 +240,7 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
         big = big.to(acc.device); ref = 'cpu'
     err = _rel(acc, big)
     rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(dtype).replace('torch.', ''),
-                             n_step=n_step, micro_sizes=sizes, worst=_worst(r.names, r.sizes, acc, big, tol), reference=ref)
+                             n_step=n_step, micro_sizes=sizes, worst=_worst(names, psizes, acc, big, tol), reference=ref)
     # BatchNorm recomputed in the backward (checkpointing) counts its statistics twice: named, exact gradient or not
     recount = r.recomputed_bn and not (bna is not None and bna.mode in ('pool', 'momentum', 'freeze', 'groupnorm'))
     if rep.exact:
@@ -481,16 +251,16 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
         causes.append('nonfinite'); errors['nonfinite'] = math.inf
     else:
         # a model that mixes the samples of a batch, or carries state from one loader batch to the next
-        quiet = r.outputs(r.exp, bn=False, drop=False, keep=True)
+        quiet,quiet_preds = r.outputs(r.exp, bn=False, drop=False)
         if quiet > tol: causes.append('not_per_sample'); errors['not_per_sample'] = quiet
         # BatchNorm and dropout, each switched on alone on the halves of the first micro-batch (where the parts and the
         # whole compute the same otherwise): a difference well above that of the quiet run is theirs
-        quiet_clean = r.outputs(r.clean, bn=False, drop=False) if r.clean != r.exp else quiet
+        quiet_clean = r.outputs(r.clean, bn=False, drop=False)[0] if r.clean != r.exp else quiet
         has_bn = any(isinstance(m, BatchNormBase) for m in model.modules()) and not (bna is not None and bna.mode == 'freeze')
         if has_bn:
-            e = r.outputs(r.clean, bn=True, drop=False)
+            e = r.outputs(r.clean, bn=True, drop=False)[0]
             if e > max(tol, 10*quiet_clean): causes.append('batchnorm'); errors['batchnorm'] = e
-        train_mode = _rel(_flat_out(r.whole(r.clean, bn=False, drop=True)), _flat_out(r.whole(r.clean, bn=False, drop=False))) > 0
+        train_mode = _rel(flat_out(r.whole(r.clean, bn=False, drop=True)), flat_out(r.whole(r.clean, bn=False, drop=False))) > 0
         def train_causes(e):
             "Which layers acting otherwise in training: drawn masks (dropout), or buffers a forward changes (spectral_norm)"
             random_,state = r.train_effects(r.clean)
@@ -498,9 +268,9 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
                 if on: causes.append(c); errors[c] = e
             return random_ or state
         if train_mode:
-            e = r.outputs(r.clean, bn=False, drop=True)   # do the parts differ from the whole in training mode?
+            e = r.outputs(r.clean, bn=False, drop=True)[0]   # do the parts differ from the whole in training mode?
             if e > max(tol, 10*quiet_clean) and not train_causes(e): causes.append('unexplained'); errors['unexplained'] = e
-        mean_err,sum_err = r.loss_split()
+        mean_err,sum_err = r.loss_split(quiet_preds)
         if mean_err > tol:
             c = 'loss_not_mean' if sum_err <= tol else 'n_items'
             causes.append(c); errors[c] = mean_err
@@ -508,7 +278,7 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
             with_terms,without = r.regularizer()
             if with_terms > max(tol, 10*without): causes.append('regularizer'); errors['regularizer'] = with_terms
         if not [c for c in causes if c != 'checkpoint']:   # before calling it unexplained: samples mixed anywhere in
-            whole = r.outputs(r.window, bn=False, drop=False) if r.window != r.exp else quiet   # the window? training mode?
+            whole = r.outputs(r.window, bn=False, drop=False)[0] if r.window != r.exp else quiet   # the window? training mode?
             if whole > tol: causes.append('not_per_sample'); errors['not_per_sample'] = whole
             elif not (train_mode and train_causes(err)): causes.append('unexplained'); errors['unexplained'] = err
     rep.causes = tuple(c for c in CHECK_CAUSES if c in causes)

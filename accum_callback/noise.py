@@ -18,18 +18,20 @@ import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastai.learner import Learner, ValueMetric
+from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
-from .check import Runner, copy_module, unwrap
 from .micro import micro_batching, micro_size, n_pieces
 from .micro.loader import batch_sizes, loader_pieces, model_device, own_loader
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
 from .guard import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .losses import loss_reduction
+from .window import Window
 from .precise import rngs_kept
+from .replay import Replay, training_model
 from .schedule import flag, whole_number
 
 __all__ = ['GradientNoiseScale', 'NoiseScaleSchedule', 'NoiseScaleReport', 'noise_estimates']
@@ -151,24 +153,24 @@ class GradientNoiseScale(Callback):
     def after_backward(self):
         "The window's first counted micro-batch: the squared norm of its mean gradient (local: nothing synchronised yet)"
         w = self.ga.window
-        if not (w.counted and w.n_micro == 1) or w.action is not None: return   # (a window of one: nothing to compare)
+        if not w.is_first or w.closes: return   # (a window of one: nothing to compare)
         grads = ([held_unsharded_grad(fp) for fp in fsdp_params(self.model)] if is_fsdp(self.model)
                  else [p.grad for p in self.model.parameters()])
         n = torch.as_tensor(w.n, dtype=torch.float64)
-        # the backward loss was the micro-batch's mean times n/ref (a sum: the sum itself); its mean gradient is this /(n/ref)
-        k = (1./n if w.summed else torch.as_tensor(w.ref, dtype=torch.float64)/n).to(model_device(self.model))
+        k = torch.as_tensor(w.mean_factor(n), dtype=torch.float64).to(model_device(self.model))   # its mean gradient, by the window's rule
         self._first = (_sq_norm(grads)*k.square(), n)
 
     def before_step(self):
         "The window is final: the squared norm of its mean gradient, the estimates, their moving averages"
         first,w = self._first,self.ga.window
-        if first is None or w.log is None: return
+        if first is None or w.record is None: return
         g_small2,b = first
         dev = g_small2.device
         g_big2 = _sq_norm([p.grad for p in self.model.parameters()])
         if is_fsdp(self.model): g_big2 = self._sum_over_ranks(g_big2)   # each rank holds its shard of the global gradient
-        items = float(w.log[1])   # the window's items over every rank (GradientAccumulation's one synchronisation)
-        if w.summed: g_big2 = g_big2/items**2   # a summed loss's window gradient is the sum
+        items = float(w.record.items)   # the window's items over every rank (GradientAccumulation's one synchronisation)
+        # the step's gradient (`step_scale` applied) as the window's mean: a mean loss's already is, a summed loss's is the sum
+        g_big2 = g_big2*(w.mean_factor(items)/w.step_scale(items, 1))**2
         if is_distributed(self.model):   # the micro-batch was each rank's own: average the ranks' squared norms and 1/b
             world = dist.get_world_size()
             g_small2,inv_b = (self._sum_over_ranks(torch.stack([g_small2, 1/b.to(dev)]))/world).unbind()
@@ -317,12 +319,11 @@ def noise_scale(self:Learner,
                              f"(the training set holds {getattr(dl, 'n', '?')}): nothing to measure; use a smaller batch size")
         stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
-        model = unwrap(self.model)
-        if bna is not None and bna.converts: model = bna.convert(copy_module(model))
+        model = training_model(self, bna)
         r,per = None,[]
         for _ in range(n_windows):   # one window in memory at a time
             bs,where = zip(*[next(stream) for _ in range(n_step)])
-            if r is None: r = Runner(self, list(bs), model, ga, bna, list(where), dl)
+            if r is None: r = Replay(self, list(bs), model, ga, bna, list(where), dl)
             else: r.load(list(bs), list(where))
             per.append(_window_norms(r, list(range(n_step)), quiet=flag(quiet, 'quiet')))
     return _report(per, n_windows, seed, getattr(self.dls.train, 'bs', None))
@@ -355,26 +356,25 @@ def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
                             n_windows=n, target_bs=target, n_step=None if target is None else max(1, math.ceil(target/per_unit)),
                             per_window=per, reason=reason, n_skipped=n_skipped)
 
-def _window_norms(r:Runner, idxs:list, quiet:bool=False)->dict:
-    """One window of the check's copy, micro-batch by micro-batch as training runs it (`quiet`: BatchNorm on its running
-    statistics, dropout off): the mean of the micro-batches' squared mean-gradient norms, the squared norm of the
-    window's mean gradient, and the estimates from them"""
+def _window_norms(r:Replay, idxs:list, quiet:bool=False)->dict:
+    """One window of the replayed copy, micro-batch by micro-batch as training runs it and by the window's rule (`quiet`:
+    BatchNorm on its running statistics, dropout off): the mean of the micro-batches' squared mean-gradient norms, the
+    squared norm of the window's mean gradient, and the estimates from them"""
     m = r.fresh(); r.modes(m, not quiet, not quiet)
     ps = [p for p in m.parameters() if p.requires_grad]
-    acc,items,small,inv_b = None,0.,[],[]
-    summed = loss_reduction(r.learn.loss_func) == 'sum'
+    acc,small,inv_b,w = None,[],[],Window()
     for xb,yb in r.pieces(m, idxs):
         for p in ps: p.grad = None
         pred,loss = r.forward(m, xb, yb)
         n = r.count(xb, yb, pred, loss)
-        loss.backward()
+        if not w.n_micro: w.begin(n, loss_reduction(r.learn.loss_func) == 'sum')
+        (loss*w.loss_weight(n)).backward()
+        w.add(n, find_bs(yb if len(yb) else xb), loss.detach())
         g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-        k = 1/n if summed else 1.   # the mean gradient of the micro-batch
-        small.append(float(_sq_norm(g))*k*k); inv_b.append(1/n)
-        w = 1. if summed else n     # the window's mean is the items-weighted mean of the micro-batches' means
-        acc = [t.double()*w for t in g] if acc is None else [a.add_(t.double(), alpha=w) for a,t in zip(acc, g)]
-        items += n
-    g_big2 = float(_sq_norm([a/items for a in acc]))
+        small.append(float(_sq_norm(g))*w.mean_factor(n)**2); inv_b.append(1/n)   # the micro-batch's mean gradient
+        acc = [t.double() for t in g] if acc is None else [a.add_(t.double()) for a,t in zip(acc, g)]   # the window's, weighted
+    items = w.items
+    g_big2 = float(_sq_norm([a*w.mean_factor(items) for a in acc]))
     b = 1/float(np.mean(inv_b))
     g2,tr = noise_estimates(float(np.mean(small)), g_big2, b, items)
     return dict(g_small2=float(np.mean(small)), g_big2=g_big2, b=b, B=items, g2=g2, trace=tr)

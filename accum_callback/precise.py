@@ -19,7 +19,7 @@ from .compat import BatchNormBase
 from .distributed import is_distributed
 from .micro.loader import loader_pieces
 
-__all__ = ['rngs_kept', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
+__all__ = ['rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
            'training_items', 'BatchNormReport']
 
 class PopulationStats:
@@ -76,16 +76,23 @@ class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
     n_items = 0
 
+def rng_states()->tuple:
+    "Every RNG's state: torch's CPU and CUDA (where initialised), Python's, numpy's"
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            random.getstate(), np.random.get_state())
+
+def set_rng_states(saved:tuple):
+    "Put back what `rng_states()` took"
+    torch.set_rng_state(saved[0])
+    if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
+    random.setstate(saved[2]); np.random.set_state(saved[3])
+
 @contextlib.contextmanager
 def rngs_kept():
     "Every RNG (torch's CPU and CUDA, Python's, numpy's) as it was, after the block"
-    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             random.getstate(), np.random.get_state())
+    saved = rng_states()
     try: yield
-    finally:
-        torch.set_rng_state(saved[0])
-        if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
-        random.setstate(saved[2]); np.random.set_state(saved[3])
+    finally: set_rng_states(saved)
 
 @torch.no_grad()
 def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext, layers:list|None=None)->dict:

@@ -155,8 +155,7 @@ class MicroBatching(Callback):
         undo and retry smaller with it. A peer's callback cancelled the micro-batch before its backward: undo it here too
         and cancel, so that every rank drops the same micro-batch and no collective waits"""
         if self.loader is None or not self.manual_sync or self.agreed: return
-        counted = getattr(getattr(self.learn, 'gradient_accumulation', None), 'window', None)
-        counted = counted is not None and counted.n is not None
+        counted = self._window().window.counts   # (before the accumulation's own `after_backward`: order)
         oom,cancelled = self._agree(cancelled=not counted)
         if oom: raise PeerOutOfMemory('another rank ran out of memory in this micro-batch')
         if cancelled and counted:

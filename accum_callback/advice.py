@@ -1,0 +1,79 @@
+"""What `GradientAccumulation` says once at fit start: settings that may not mean what the user meant (a recipe ported
+from fastai, a window over most of an epoch, nothing that accumulates) and layers that make a window other than the
+large batch whatever the rule. Each warning names the argument and what to do; none changes what training does."""
+from __future__ import annotations
+import math, warnings
+
+from .micro.loader import batch_sizes
+from .schedule import windows_started
+
+__all__ = ['warn_at_fit_start']
+
+def warn_at_fit_start(ga, bs):
+    "Each of the warnings below, once (`ga._warned`: one about the window's size a fit)"
+    _nothing_accumulates(ga, bs)
+    if not ga._warned: _ported(ga, bs)
+    _not_large_batch(ga)
+    t = ga.target_bs_sched() if ga.target_bs_sched is not None and ga.n_acc is None else None
+    if t and bs and t > bs and t % bs and not ga._warned:
+        warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
+                      f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
+                      "gradient of its window", stacklevel=3)
+        ga._warned = True
+
+def _ported(ga, bs):
+    """What a recipe ported from fastai may mean otherwise, said once at fit start with the steps an epoch each reading
+    gives: a count without its name (fastai's counts samples), a window over most of an epoch"""
+    sizes = batch_sizes(ga.learn.dls.train) if bs else []
+    if not sizes: return
+    steps = lambda t, items: windows_started(sizes, t, items, 'step', False)
+    if ga.count is not None and ga.n_step_sched.kind == 'const':
+        k = ga.count
+        warnings.warn(f"GradientAccumulation({k}): a count without its name is read as n_step, {k} micro-batches a step "
+                      f"({k} batches of {bs} = {k*bs} items, {steps(k, False)} optimizer steps an epoch here); fastai's "
+                      f"GradientAccumulation({k}) counts samples (n_acc={k}: {steps(k, True)} steps an epoch). Write "
+                      f"GradientAccumulation(n_step={k}) or GradientAccumulation(n_acc={k}); a count without its name will "
+                      "mean fastai's n_acc in a later version", stacklevel=3)
+        ga._warned = True
+        return
+    sc = ga.sched
+    if sc.kind != 'const' or ga.mb is not None or len(sizes) < 8: return
+    by_items = ga.n_step_sched is None
+    units = sc.const if not by_items else next((i+1 for i in range(len(sizes)) if sum(sizes[:i+1]) >= sc.const), len(sizes)+1)
+    if units*2 > len(sizes):
+        name = 'n_step' if not by_items else ('n_acc' if ga.n_acc is not None else 'target_bs')
+        warnings.warn(f"GradientAccumulation: {name}={sc.const} makes a window of {min(units, len(sizes))} of the epoch's "
+                      f"{len(sizes)} loader batches: {steps(sc.const, by_items)} optimizer step(s) an epoch. If that is "
+                      "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
+                      stacklevel=3)
+        ga._warned = True
+
+def _not_large_batch(ga):
+    "Layers that make a window other than the large batch whatever the rule, where cheap to see: said once"
+    if getattr(ga, '_warned_layers', False): return
+    spectral = [n for n,m in ga.learn.model.named_modules()
+                if type(m).__name__ == '_SpectralNorm' or any(k.endswith('_u') and k[:-2] + '_orig' in dict(m.named_parameters(recurse=False))
+                                                              for k,_ in m.named_buffers(recurse=False))]
+    if spectral:
+        warnings.warn(f"GradientAccumulation: spectral_norm ({spectral[0]}{' and others' if len(spectral) > 1 else ''}) "
+                      "runs its power iteration at every training forward: k micro-batches run it k times where one "
+                      "batch runs it once, so a window is not exactly the large batch (small; docs/fastai.md)", stacklevel=3)
+        ga._warned_layers = True
+
+def _nothing_accumulates(ga, bs):
+    "A setting under which no window holds more than one loader batch, uncut: said once, naming the argument"
+    if not bs or ga._warned: return
+    mb,msg = ga.mb,None
+    size = mb.size if mb is not None and not mb.auto else None
+    if size is not None and size > bs:
+        msg = (f"micro_bs={size} is larger than the loader's batch ({bs}): no batch is cut, so nothing is accumulated "
+               f"that the loader batch does not hold already: give micro_bs below {bs}, or load larger batches")
+    t = ga.target_bs_sched.const if ga.target_bs_sched is not None and ga.target_bs_sched.kind == 'const' else None
+    if t is not None and t < bs and mb is None:
+        name = 'n_acc' if ga.n_acc is not None else 'target_bs'
+        msg = (f"{name}={t} is below the loader's batch ({bs}): every window is one batch of {bs} items and "
+               f"nothing accumulates (fastai's callback multiplied such a step's gradient by bs/{name} = {bs/t:g}). For steps of {t} items, load "
+               f"batches smaller than {t}; for steps of several batches, give a larger {name} or n_step")
+    if msg:
+        warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
+        ga._warned = True

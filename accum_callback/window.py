@@ -1,0 +1,147 @@
+"""The accumulation window: the one owner of the accumulation rule, and the record of the window in progress.
+
+The rule, in three methods every user of it calls (`GradientAccumulation` in training, the check's and the noise scale's
+replays of it, `GradientNoiseScale`): a micro-batch's backward loss is its mean loss times `loss_weight(n)` (its `n`
+items over the window's reference: the size of one mean-reduced loss is kept); the finished window's summed gradient
+times `step_scale(items, world)` is the mean gradient of all its items (DDP's average over ranks undone where needed);
+`mean_factor(n)` turns the gradient a weighted backward left for `n` items into their mean gradient. A loss that sums
+over its items (`reduction='sum'`) is left alone: the window's gradient is the sum of its micro-batches' sums.
+
+A micro-batch's phase (`Phase`), set by `GradientAccumulation`'s events:
+
+| phase     | entered at                                       | means                                                    |
+|-----------|--------------------------------------------------|----------------------------------------------------------|
+| IDLE      | the window's creation, `end_micro` (after_batch)  | no micro-batch in progress                               |
+| RUNNING   | `start_micro` (before_batch)                      | forward, loss, backward; `n` set once its backward counts |
+| STEPPING  | `stepping` (before_step of the closing one)       | the window's gradient is scaled; `record` holds the step |
+| CANCELLED | `step_cancelled` (after_cancel_step)              | a callback cancelled this micro-batch's step             |
+| CLOSED    | `close` (the window stepped, was dropped/skipped) | only bookkeeping is left for this micro-batch            |
+
+`action`, decided at the micro-batch's start, is what it does to the window: 'step' or 'drop' it (the micro-batch
+closes it) or None (the window stays open)."""
+from __future__ import annotations
+import enum
+from typing import NamedTuple
+
+import torch
+
+from .distributed import exit_no_sync
+
+__all__ = ['Window', 'Phase', 'StepRecord']
+
+class Phase(enum.Enum):
+    "Where the micro-batch in progress is (see the module's table)"
+    IDLE = 'idle'; RUNNING = 'running'; STEPPING = 'stepping'; CANCELLED = 'cancelled'; CLOSED = 'closed'
+
+class StepRecord(NamedTuple):
+    "One optimizer step's window: `samples`, `items` (every rank's), its item-weighted mean `loss`, `micro` micro-batches"
+    samples: int
+    items: float
+    loss: float
+    micro: int
+
+class Window:
+    """The accumulation window in progress (`learn.gradient_accumulation.window`) and the accumulation rule.
+
+    Read by other callbacks through its properties: `n_micro` micro-batches counted, `n_samples`, `items` (the counts'
+    sum), `target` (its size), `summed`, `is_open`; of the micro-batch in progress: `phase`, `action`, `closes`, `n` (its
+    items once its backward counts, else None), `counted`, `is_first` (the window's first counted micro-batch), `record`
+    (the step's `StepRecord`, from `before_step` on). Its writes skip fastai's `Callback.__setattr__` checks (several per
+    micro-batch)."""
+    __slots__ = ('n_micro', 'n_samples', 'items', 'loss_sum', 'ref', 'hypers', 'target', 'n_units', 'unit_action',
+                 'summed', 'bs', 'action', 'phase', 'n', 'pending', 'record', 'hypers_now', 'no_sync')
+    # what undoing a micro-batch puts back (`snapshot`/`restore`): all but the loader-batch bookkeeping of `micro_bs`
+    _UNDO = ('n_micro', 'n_samples', 'items', 'loss_sum', 'ref', 'hypers', 'summed', 'bs', 'action', 'phase', 'n',
+             'pending', 'record', 'hypers_now', 'no_sync')
+
+    def __init__(self): self.hypers_now = self.no_sync = None; self.reset(); self.start_micro(); self.phase = Phase.IDLE
+
+    def reset(self):
+        "Forget the window (what its micro-batches left in the gradients is the caller's to step or zero)"
+        self.n_micro,self.n_samples,self.items,self.loss_sum,self.ref,self.hypers,self.target = 0,0,0.,0.,None,None,None
+        self.n_units,self.unit_action = 0,None   # with `micro_bs`: loader batches in the window, and the last one's decision
+        self.summed = False
+
+    # -- the rule ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def reference(n, shared:int|None=None):
+        """The window's loss-scale reference: its first micro-batch's count (at least 1), or `shared` where every rank
+        needs the same constant (DDP: the loader's batch size)"""
+        if shared is not None: return float(shared)
+        return n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1)
+
+    def begin(self, n, summed:bool, shared:int|None=None, hypers=None):
+        "The window's first counted micro-batch (of `n` items) sets the reference, the loss's kind and the step's hyper-parameters"
+        self.ref,self.summed,self.hypers = self.reference(n, shared),bool(summed),hypers
+
+    def loss_weight(self, n):
+        "What the micro-batch's loss (a mean over `n` items, or a sum) is multiplied by before its backward"
+        return 1. if self.summed else n/self.ref
+
+    def step_scale(self, items, world:int=1)->float:
+        "What the window's gradient (`items` over every rank; averaged over `world` ranks by DDP) is multiplied by before the step"
+        return float(world) if self.summed else float(self.ref)*world/items
+
+    def mean_factor(self, n):
+        "What turns the gradient that weighted backwards left for `n` items (before `step_scale`) into their mean gradient"
+        return 1./n if self.summed else self.ref/n
+
+    def add(self, n, bs:int, loss:torch.Tensor):
+        "A micro-batch of `bs` samples and `n` items counts: its mean (or summed) loss `loss` joins the window's"
+        self.n_micro += 1; self.n_samples += bs; self.items = self.items + n; self.n,self.pending = n,None
+        # a micro-batch of zero items (all ignore_index, all padding) contributes zero, also when its mean loss is NaN
+        if self.summed: self.loss_sum = self.loss_sum + loss
+        elif isinstance(n, torch.Tensor): self.loss_sum = self.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
+        elif n > 0: self.loss_sum = self.loss_sum + loss*n
+
+    # -- the micro-batch in progress ------------------------------------------------------------------------------------
+    def start_micro(self, bs:int=0, action=None):
+        self.bs,self.action,self.phase,self.n,self.pending,self.record = bs,action,Phase.RUNNING,None,None,None
+    def stepping(self, items, loss_sum):
+        "The closing micro-batch's window is scaled and about to step: its record"
+        self.record,self.phase = StepRecord(self.n_samples, items, loss_sum/items, self.n_micro),Phase.STEPPING
+    def step_cancelled(self): self.phase = Phase.CANCELLED
+    def close(self): "The window closed in this micro-batch"; self.phase = Phase.CLOSED; self.reset()
+    def end_micro(self): self.action,self.phase = None,Phase.IDLE
+
+    @property
+    def is_open(self)->bool: "Has a micro-batch been counted since the last step?"; return self.n_micro > 0
+    @property
+    def counted(self)->bool: "Did the micro-batch in progress's backward run and count?"; return self.n is not None
+    @property
+    def counts(self)->bool:
+        "Will the micro-batch in progress count (its backward under way or done, not cancelled)? Read before its `after_backward`"
+        return self.pending is not None or self.n is not None
+    @property
+    def is_first(self)->bool: "Is the micro-batch in progress the window's first counted one?"; return self.n is not None and self.n_micro == 1
+    @property
+    def closes(self)->bool: "Does the micro-batch in progress close the window (step or drop)?"; return self.action is not None
+    @property
+    def closed(self)->bool: return self.phase is Phase.CLOSED
+    @property
+    def stepped(self)->bool: "Did this micro-batch's window reach its step, uncancelled?"; return self.phase is Phase.STEPPING
+
+    # -- hyper-parameters and DDP's no_sync, held for the window ------------------------------------------------------------
+    def use_hypers(self, opt):
+        "The step uses the window's first hyper-parameters; the ones in force now are kept to be put back after it"
+        if not self.hypers: return
+        now = [dict(h) for h in opt.hypers]
+        keys = [k for k in self.hypers[0] if [h.get(k) for h in self.hypers] != [h.get(k) for h in now]]
+        if not keys: return
+        self.hypers_now = (now, keys)
+        for k in keys: opt.set_hyper(k, [h.get(k) for h in self.hypers])
+    def put_back_hypers(self, opt):
+        "After the step: the values a schedule or another callback set (e.g. ReduceLROnPlateau) are in force again"
+        if self.hypers_now is None: return
+        (now,keys),self.hypers_now = self.hypers_now,None
+        for k in keys: opt.set_hyper(k, [h.get(k) for h in now])
+    def exit_no_sync(self):
+        if self.no_sync is not None: ctx,self.no_sync = self.no_sync,None; exit_no_sync(ctx)
+
+    # -- undo (MicroBatching's retry after an out-of-memory error) ------------------------------------------------------
+    def snapshot(self)->dict: "What undoing the micro-batch in progress puts back"; return {k: getattr(self, k) for k in self._UNDO}
+    def restore(self, state:dict):
+        for k,v in state.items(): setattr(self, k, v)
+
+    def __repr__(self): return (f"Window(n_micro={self.n_micro}, n_samples={self.n_samples}, items={self.items}, "
+                                f"target={self.target}, action={self.action!r}, phase={self.phase.name})")
