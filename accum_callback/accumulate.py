@@ -19,7 +19,7 @@ from .losses import count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
 from .micro.loader import CutLoader, ReadAhead, batch_sizes
 from .advice import warn_at_fit_start
-from .schedule import PARTIAL_MODES, WindowSchedule, decide, flag, window_arguments, windows_started
+from .schedule import PARTIAL_MODES, WindowClock, WindowSchedule, decide, flag, window_arguments
 from .window import Phase, Window
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
@@ -60,7 +60,7 @@ class GradientAccumulation(Callback):
         # `micro_bs`: the `MicroBatching` callback this one adds to its Learner (and takes away with it)
         self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
         self.mb,self._decided,self._warned,self._new_fit,self._listeners = None,0,False,False,Listeners()
-        self._ahead,self._clock = None,None   # the training loader read ahead; (epoch, windows it starts, windows started)
+        self._ahead,self._clock = None,WindowClock()   # the training loader read ahead; the schedule's clock in windows
         self.window = Window()
         self._reset_logs()
 
@@ -118,7 +118,7 @@ class GradientAccumulation(Callback):
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
         add_fit_guard(self.learn, 'gradient_accumulation', lambda e: self._unhook())   # errors, KeyboardInterrupt
         self.mb = self._micro()
-        self._clock = None
+        self._clock = WindowClock()
         # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
@@ -161,7 +161,7 @@ class GradientAccumulation(Callback):
         if self._new_fit: self._reset_logs(); self._new_fit = False
         self._end_micro()   # the last micro-batch's `after_batch` did not reach us (cancelled by a callback before us)
         bs,ddp = find_bs(learn.yb if len(learn.yb) else learn.xb),is_distributed(learn.model)
-        if self._clock is None or self._clock[0] != learn.epoch: self._clock = self._epoch_clock(ddp)
+        if self._clock.epoch != learn.epoch: self._start_clock(ddp)
         if p is None:   # a micro-batch is a loader batch: decide at each
             if not w.n_micro: self._window_starts()
             last = self._ahead.last if self._ahead is not None else learn.iter == learn.n_iter-1
@@ -190,27 +190,18 @@ class GradientAccumulation(Callback):
                       learn.epoch >= learn.n_epoch-1)
 
     # -- the schedule's clock, in windows ------------------------------------------------------------------------
-    def _epoch_clock(self, ddp:bool):
-        """`(epoch, W, 0)`: the windows that step in this epoch, W, where the window size is known for the whole epoch
-        (a number, or an `{epoch: n}` mapping), so that window j's step uses the hyper-parameters fastai's schedules give
-        the large batch's step j of W: `pct_train = (epoch + j/W)/n_epoch`. W is None for a window size that follows
-        progress (a function, the noise scale): the clock is then fastai's, by micro-batch (docs/fastai.md)"""
+    def _start_clock(self, ddp:bool):
+        "The epoch's windows, for the schedule's clock (`WindowClock`): the loader's real batches, and a window carried in"
         learn,w = self.learn,self.window
-        if self.sched.kind == 'fn': return (learn.epoch, None, 0)
         dl = self.mb.loader.dl if self.mb is not None and self.mb.loader is not None else (self._ahead.dl if self._ahead is not None else learn.dl)
-        sizes = batch_sizes(dl)
-        if ddp: sizes = [learn.dls.train.bs]*len(sizes)
-        units = w.n_units if self.mb is not None else w.n_micro   # a window carried into this epoch
-        W = windows_started(sizes, self.sched(0., learn.epoch), self.n_step_sched is None, self.partial,
-                            learn.epoch >= learn.n_epoch-1, units, w.n_samples)
-        return (learn.epoch, W or None, 0)
+        sizes = [learn.dls.train.bs]*len(batch_sizes(dl)) if ddp else batch_sizes(dl)
+        self._clock.start_epoch(learn.epoch, learn.n_epoch, sizes, self.sched, self.n_step_sched is None, self.partial,
+                                w.n_units if self.mb is not None else w.n_micro, w.n_samples)
 
     def _window_starts(self):
-        "A window starts: its size, and the schedule's clock set to the large batch's step it stands for"
-        learn,(epoch,W,j) = self.learn,self._clock
-        if W is not None:
-            learn.pct_train = (epoch + min(j, W)/W)/learn.n_epoch
-            self._clock = (epoch, W, j+1)
+        "A window starts: the schedule's clock set to the large batch's step it stands for, and the window's size"
+        learn = self.learn
+        if (pct := self._clock.window_starts()) is not None: learn.pct_train = pct
         self.window.target = self.sched(learn.pct_train, learn.epoch)
 
     def before_backward(self):
@@ -319,4 +310,4 @@ def accumulate(self:Learner,
     back under that name; `learn.accumulate(n_acc=64)` stays ours whatever was imported after"""
     cb = GradientAccumulation(n_step=n_step, **kwargs)   # validate before touching the Learner
     self.remove_cbs([c for c in self.cbs if isinstance(c, (GradientAccumulation, FastaiGradientAccumulation))])
-    return self.add_cb(cb)
+    return self.add_cbs([cb] + ([cb.companion] if cb.companion is not None else []))   # micro_bs: its MicroBatching, explicitly

@@ -4,6 +4,7 @@ large batch whatever the rule. Each warning names the argument and what to do; n
 from __future__ import annotations
 import math, warnings
 
+from .distributed import is_fsdp
 from .micro.loader import batch_sizes
 from .schedule import windows_started
 
@@ -14,6 +15,7 @@ def warn_at_fit_start(ga, bs):
     _nothing_accumulates(ga, bs)
     if not ga._warned: _ported(ga, bs)
     _not_large_batch(ga)
+    _sharded_by_hand(ga)
     t = ga.target_bs_sched() if ga.target_bs_sched is not None and ga.n_acc is None else None
     if t and bs and t > bs and t % bs and not ga._warned:
         warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
@@ -77,3 +79,12 @@ def _nothing_accumulates(ga, bs):
     if msg:
         warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
         ga._warned = True
+
+def _sharded_by_hand(ga):
+    "A model sharded with FSDP2 outside `to_fsdp`: fastai's save/load/export would write one rank's shard. Said once"
+    learn = ga.learn
+    if getattr(ga, '_warned_fsdp', False) or not is_fsdp(learn.model) or 'save' in learn.__dict__: return
+    warnings.warn("GradientAccumulation: the model is sharded with FSDP2 outside `learn.to_fsdp()`, so `learn.save`, "
+                  "`load` and `export` are fastai's, which write and read one rank's shard: call `learn.fsdp_checkpoints()` "
+                  "once for files of the whole model", stacklevel=3)
+    ga._warned_fsdp = True

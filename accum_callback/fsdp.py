@@ -1,11 +1,13 @@
 """fastai + FSDP2 (`torch.distributed.fsdp.fully_shard`): a way in (`learn.to_fsdp`, `learn.from_fsdp`, `learn.fsdp_ctx`)
-and fastai's `save`/`load`/`export` that write and read the whole model, not one rank's shard.
+and, on a Learner whose model is sharded, `save`/`load`/`export` that write and read the whole model, not one rank's
+shard: set on that Learner by `to_fsdp` (or `learn.fsdp_checkpoints()` for a model sharded by hand), never on fastai's
+`Learner` class, whose methods stay fastai's.
 
 `GradientAccumulation` accumulates under FSDP2 whoever sharded the model (one reduce-scatter per window; see
 `accumulate.py` and `distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
 optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the checkpoints."""
 from __future__ import annotations
-import contextlib, copy, functools, gc, os, warnings
+import contextlib, copy, functools, gc, os, types, warnings
 
 import torch, torch.nn as nn
 import torch.distributed as dist
@@ -92,7 +94,19 @@ def to_fsdp(self:Learner,
         if dist.get_backend() != 'nccl': st.dl_patch.enter_context(gloo_distributed_dl())
         self.dls.loaders = [dl if isinstance(dl, DistributedDL) else DistributedDL(dl) for dl in self.dls.loaders]
     self.create_opt()   # on the sharded (DTensor) parameters
+    return self.fsdp_checkpoints()
+
+@patch
+def fsdp_checkpoints(self:Learner):
+    """This Learner's `save`, `load` and `export` write and read the whole model (gathered from every rank's shard) while
+    its model is sharded with FSDP2, fastai's otherwise; set by `to_fsdp`, and for a model sharded by hand
+    (`fully_shard`) call it once. Only this Learner changes: fastai's `Learner` class keeps its methods"""
+    for k,f in _CHECKPOINTS.items(): self.__dict__[k] = types.MethodType(f, self)
     return self
+
+def _fastai_checkpoints(learn):
+    "fastai's own `save`, `load` and `export` on `learn` again"
+    for k in _CHECKPOINTS: learn.__dict__.pop(k, None)
 
 def fsdp_full_state_dict(model)->dict:
     "The whole model's state dict, gathered from every rank (a collective: every rank calls it), on the CPU of rank 0"
@@ -118,6 +132,7 @@ def from_fsdp(self:Learner,
     self.dls.loaders = st.dls_loaders
     st.dl_patch.close()
     self.fsdp_state = None
+    _fastai_checkpoints(self)
     self.create_opt()
     if st.own_group:
         del st, sd, obj
@@ -147,7 +162,7 @@ def _leave_fsdp_locally(learn):
     learn.fsdp_state = None
 
 # -- fastai's save / load / export under FSDP2 ------------------------------------------------------------------------------
-_fastai_save,_fastai_load,_fastai_export = Learner.save,Learner.load,Learner.export
+_fastai_save,_fastai_load,_fastai_export = Learner.save,Learner.load,Learner.export   # (read, never replaced)
 
 def _full(t):
     "A DTensor gathered whole on the CPU (a collective), anything else as it is"
@@ -195,7 +210,10 @@ def _load(self, file, device=None, with_opt=True, strict=True, **kwargs):
 
 @functools.wraps(_fastai_export)
 def _export(self, fname='export.pkl', **kwargs):
-    if not is_fsdp(self.model): return _fastai_export(self, fname, **kwargs)
+    if not is_fsdp(self.model):
+        mine = {k: self.__dict__.pop(k) for k in _CHECKPOINTS if k in self.__dict__}   # the exported Learner is fastai's
+        try: return _fastai_export(self, fname, **kwargs)
+        finally: self.__dict__.update(mine)
     st = getattr(self, 'fsdp_state', None)
     if st is None:
         raise ValueError("learn.export under FSDP2 needs the unsharded architecture: shard with `learn.to_fsdp()` (which "
@@ -206,10 +224,13 @@ def _export(self, fname='export.pkl', **kwargs):
         model,opt,loaders = self.model,self.opt,self.dls.loaders
         self.model,self.opt,self.dls.loaders = _unsharded(st.template, sd, 'cpu'),None,st.dls_loaders
         fsdp_state,self.fsdp_state = self.fsdp_state,None
+        mine = {k: self.__dict__.pop(k) for k in _CHECKPOINTS if k in self.__dict__}   # the exported Learner is fastai's
         try:
             with _as_rank0(): _fastai_export(self, fname, **kwargs)
         except Exception as e: err = f'{type(e).__name__}: {e}'
-        finally: self.model,self.opt,self.dls.loaders,self.fsdp_state = model,opt,loaders,fsdp_state
+        finally:
+            self.model,self.opt,self.dls.loaders,self.fsdp_state = model,opt,loaders,fsdp_state
+            self.__dict__.update(mine)
     res = [err]
     dist.broadcast_object_list(res, src=0)   # every rank ends alike: done, or the same error
     if res[0] is not None: raise RuntimeError(f"learn.export under FSDP2 failed on rank 0: {res[0]}")
@@ -224,4 +245,4 @@ def _as_rank0():
         if old is None: os.environ.pop('RANK', None)
         else: os.environ['RANK'] = old
 
-Learner.save,Learner.load,Learner.export = _save,_load,_export
+_CHECKPOINTS = dict(save=_save, load=_load, export=_export)

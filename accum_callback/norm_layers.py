@@ -223,7 +223,7 @@ def bn_to_batchrenorm(
     >>> m = resnet18(weights=None).eval(); x = torch.randn(2, 3, 32, 32); y = m(x)
     >>> m = bn_to_batchrenorm(m, r_max=3., d_max=5., ramp=1000)
     >>> torch.equal(m(x), y), type(m.bn1).__name__
-    (True, 'BatchRenorm')
+    (True, 'BatchRenorm2d')
     """
     kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
     BatchRenorm(1, **kw)   # validate before touching the model

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from numbers import Integral
 
 __all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'whole_number', 'NotWholeNumber', 'flag',
-           'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started']
+           'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started', 'WindowClock']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
 
@@ -129,3 +129,22 @@ def windows_started(sizes:list, target:int, by_items:bool, partial:str, last_epo
         if a is None: units,seen = units+1,seen+b
         else: n,units,seen = n - (a == 'drop' and here),0,0
     return n
+
+class WindowClock:
+    """fastai's schedules read `pct_train`; under accumulation window j of the W that step in an epoch stands for the
+    large batch's step j of W, so its step uses the hyper-parameters of `pct_train = (epoch + j/W)/n_epoch`. W is known
+    for the whole epoch where the window size is (a number, or an `{epoch: n}` mapping); for a size that follows
+    progress (a function, the noise scale) it is not, and the clock is fastai's, by micro-batch (docs/fastai.md)"""
+    def __init__(self): self.epoch,self.n_epoch,self.W,self.j = None,1,None,0
+    def start_epoch(self, epoch:int, n_epoch:int, sizes:list, sched:WindowSchedule, by_items:bool, partial:str,
+                    units:int=0, seen:int=0):
+        "An epoch of units of `sizes` items starts (`units`/`seen`: a window carried in from the epoch before)"
+        self.epoch,self.n_epoch,self.j = epoch,n_epoch,0
+        self.W = None if sched.kind == 'fn' else (windows_started(sizes, sched(0., epoch), by_items, partial,
+                                                                  epoch >= n_epoch-1, units, seen) or None)
+    def window_starts(self)->float|None:
+        "A window starts: the `pct_train` of the large batch's step it stands for (None: fastai's clock goes on)"
+        if self.W is None: return None
+        pct = (self.epoch + min(self.j, self.W)/self.W)/self.n_epoch
+        self.j += 1
+        return pct

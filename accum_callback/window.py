@@ -7,6 +7,14 @@ times `step_scale(items, world)` is the mean gradient of all its items (DDP's av
 `mean_factor(n)` turns the gradient a weighted backward left for `n` items into their mean gradient. A loss that sums
 over its items (`reduction='sum'`) is left alone: the window's gradient is the sum of its micro-batches' sums.
 
+>>> w = Window(); w.begin(3, summed=False)          # micro-batches of 3 and 1 items: the reference is 3
+>>> [w.loss_weight(n) for n in (3, 1)]             # each mean loss weighed by its count over the reference
+[1.0, 0.3333333333333333]
+>>> w.step_scale(items=4)                          # the summed gradient times 3/4: the mean over the 4 items
+0.75
+>>> w.step_scale(items=8, world=2)                 # DDP averaged 2 ranks' gradients: 8 items over both
+0.75
+
 A micro-batch's phase (`Phase`), set by `GradientAccumulation`'s events:
 
 | phase     | entered at                                       | means                                                    |

@@ -11,7 +11,8 @@ import argparse, datetime, sys, warnings
 import torch, torchvision
 from fastai.callback.fp16 import MixedPrecision
 
-from accum_callback import GradientAccumulation, is_out_of_memory
+from accum_callback import GradientAccumulation
+from accum_callback.micro import is_out_of_memory
 from common import CudaSync, fit_time, learner
 
 def main(argv=None):

@@ -11,8 +11,10 @@ from fastai.learner import Learner
 from fastai.vision.learner import vision_learner
 from torchvision.models import resnet18
 
-from accum_callback import (BatchNormAccumulation, BN_MODES, BatchRenorm, GradientAccumulation, accumulated_momentum,
-                            bn_to_batchrenorm, bn_to_groupnorm)
+from accum_callback import BatchNormAccumulation, GradientAccumulation, bn_to_batchrenorm, bn_to_groupnorm
+from accum_callback.modes import BN_MODES
+from accum_callback.norm_layers import BatchRenorm
+from accum_callback.batchnorm import accumulated_momentum
 from helpers import fit_quiet, make_data, make_dls, make_learner, rel_err
 
 STATS_TOL = 1e-6   # relative (norm) error of pooled running statistics against the large-batch run

@@ -49,7 +49,8 @@ def test_weighted_ignored_and_summed_losses_are_exact_by_default(name):
     else: assert max(spy.errs) <= (1e-5 if fastai_loss else 1e-6), spy.errs
 
 # == learn.check_accumulation() ===========================================================================================
-from accum_callback import check_accumulation, CHECK_CAUSES, AccumulationReport
+from accum_callback import check_accumulation, AccumulationReport
+from accum_callback.check import CHECK_CAUSES
 from helpers import MLP
 
 class Net(nn.Module):

@@ -7,7 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT/'README.md', *sorted((ROOT/'docs').glob('*.md'))]
-PATCHES = ('accumulate', 'check_accumulation', 'to_fsdp', 'from_fsdp', 'fsdp_ctx')   # on fastai's Learner
+PATCHES = ('accumulate', 'check_accumulation', 'noise_scale', 'check_batchnorm', 'to_fsdp', 'from_fsdp', 'fsdp_ctx',
+           'fsdp_checkpoints')   # on fastai's Learner
 
 def test_readme_is_short():
     assert len((ROOT/'README.md').read_bytes()) <= 15_000
@@ -22,8 +23,12 @@ def test_relative_links_resolve(doc):
 def _public():
     import accum_callback
     from fastai.learner import Learner
+    import importlib
     out = [(n, getattr(accum_callback, n)) for n in accum_callback.__all__]
-    return out + [(f'Learner.{n}', getattr(Learner, n)) for n in PATCHES]
+    out += [(f'Learner.{n}', getattr(Learner, n)) for n in PATCHES]
+    # the names users import from a module (0.2.0 had them at the top level)
+    return out + [(f'{m}.{n}', getattr(importlib.import_module(f'accum_callback.{m}'), n))
+                  for n,m in sorted(accum_callback._MOVED.items(), key=lambda t: (t[1], t[0]))]
 
 def _doc_of(obj)->str:
     if isinstance(obj, (tuple, dict, frozenset)): return f'`{obj!r}`' if len(repr(obj)) < 200 else f'{type(obj).__name__} of {len(obj)}'
@@ -32,8 +37,9 @@ def _doc_of(obj)->str:
 def api_markdown()->str:
     "docs/api.md as the code says it: every public name, its signature, its docstring and its arguments' comments"
     from fastcore.docments import docments
-    lines = ['# API', '', 'Every public name of `accum_callback` (`from accum_callback import ...`) and what it adds to fastai\'s '
-             '`Learner`, with the signatures and docstrings of the code (generated: `python tests/test_docs.py`; '
+    lines = ['# API', '', 'Every public name of `accum_callback`: what users call (`from accum_callback import ...`), what it '
+             'adds to fastai\'s `Learner`, and the names imported from a module (`from accum_callback.batchnorm import '
+             'PooledStats`), with the signatures and docstrings of the code (generated: `python tests/test_docs.py`; '
              '`tests/test_docs.py` fails when this page and the code disagree). In a notebook, fastai\'s `show_doc` '
              'renders each the same way.', '']
     for name,obj in _public():

@@ -13,7 +13,8 @@ from fastai.callback.core import Callback
 from fastai.optimizer import SGD
 from functools import partial
 
-from accum_callback import GradientAccumulation, GradientNoiseScale, NoiseScaleSchedule, noise_estimates
+from accum_callback import GradientAccumulation, GradientNoiseScale
+from accum_callback.noise import NoiseScaleSchedule, noise_estimates
 from accum_callback.compat import tree_flatten
 from accum_callback.testing import launch_gloo
 from helpers import DISTRIBUTED_KINDS, fit_quiet, make_learner
