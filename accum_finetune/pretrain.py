@@ -34,7 +34,7 @@ def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, 
     path = checkpoint_path(arch, size)
     if path.is_file() and not force: return path
     set_seed(PRETRAIN['seed'], reproducible=True)
-    dls = digits_dls(PRETRAIN['bs'], DIGITS_PRETRAIN, size, valid_pct=0.1, seed=PRETRAIN['seed'])
+    dls = digits_dls(PRETRAIN['bs'], DIGITS_PRETRAIN, size, valid_pct=0.1, seed=PRETRAIN['seed']).cpu()   # fastai's default is the GPU
     learn = Learner(dls, create_model(arch, dls.c), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     print(f"accum-finetune: pretraining {arch} on digits 0-4 once, cached at {path}", file=sys.stderr)
     with learn.no_logging(), (learn.no_bar() if not progress else contextlib.nullcontext()):

@@ -122,10 +122,13 @@ def test_fsdp2_whose_grads_cannot_be_reached_is_refused_naming_torch(monkeypatch
 # -- versions ------------------------------------------------------------------------------------------------------------
 def test_one_version_number_in_the_package_setup_and_changelog():
     import accum_callback
-    from importlib.metadata import version
+    from importlib.metadata import version, PackageNotFoundError
     assert 'version = attr: accum_callback.__version__' in (ROOT/'setup.cfg').read_text()   # setup.cfg reads the package's
-    assert version('accum_callback') == accum_callback.__version__, 'the installed metadata is stale: pip install -e .'
     assert f'## {accum_callback.__version__} ' in (ROOT/'CHANGELOG.md').read_text()
+    try: installed = version('accum_callback')
+    except PackageNotFoundError:   # a checkout on PYTHONPATH, not installed (the GPU machine's run): no metadata to be stale
+        pytest.skip('accum_callback is not installed (run from a checkout on PYTHONPATH): no installed metadata to compare')
+    assert installed == accum_callback.__version__, 'the installed metadata is stale: pip install -e .
 
 def test_lower_bounds_are_the_versions_ci_runs_the_oldest_tier_on():
     "setup.cfg claims no older torch, torchvision or fastai than `.ci/versions oldest` installs (major.minor, fastai's patch)"
