@@ -128,7 +128,7 @@ def test_one_version_number_in_the_package_setup_and_changelog():
     try: installed = version('accum_callback')
     except PackageNotFoundError:   # a checkout on PYTHONPATH, not installed (the GPU machine's run): no metadata to be stale
         pytest.skip('accum_callback is not installed (run from a checkout on PYTHONPATH): no installed metadata to compare')
-    assert installed == accum_callback.__version__, 'the installed metadata is stale: pip install -e .
+    assert installed == accum_callback.__version__, 'the installed metadata is stale: pip install -e .'
 
 def test_lower_bounds_are_the_versions_ci_runs_the_oldest_tier_on():
     "setup.cfg claims no older torch, torchvision or fastai than `.ci/versions oldest` installs (major.minor, fastai's patch)"
