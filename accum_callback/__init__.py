@@ -9,7 +9,7 @@ import importlib as _importlib, sys as _sys
 _API = dict(
     GradientAccumulation='accumulate', MicroBatching='micro', BatchNormAccumulation='batchnorm', GradientNoiseScale='noise',
     check_accumulation='check', AccumulationReport='check', WindowSchedule='schedule', batch_growth_from_lr='schedule',
-    bn_to_groupnorm='norm_layers', bn_to_batchrenorm='norm_layers', update_bn_stats='precise')
+    bn_to_groupnorm='norm_layers', bn_to_batchrenorm='norm_layers', update_bn_stats='precise', Checkpoint='checkpoint')
 __all__ = list(_API)
 # 0.2.0's other top-level names: still importable from the package, with a FutureWarning naming their module (CHANGELOG)
 _MOVED = dict(
@@ -22,8 +22,8 @@ _MOVED = dict(
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
-_LAYERS = ('modes', 'compat', 'schedule', 'losses', 'norm_layers', 'distributed', 'window', 'guard', 'micro', 'precise', 'replay',
-           'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'testing')
+_LAYERS = ('modes', 'compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'window', 'guard', 'micro', 'precise', 'replay',
+           'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'checkpoint', 'testing')
 
 def _load_all():
     import warnings

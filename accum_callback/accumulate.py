@@ -24,6 +24,8 @@ from .window import Phase, Window
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
+_LOGS = ('window_sizes', 'window_items', 'window_losses', 'window_micro', 'n_skipped', 'n_dropped', 'n_step_cancelled')
+
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window"
@@ -98,6 +100,18 @@ class GradientAccumulation(Callback):
         self.window_sizes,self.window_items,self.window_losses = [],[],[]  # per optimizer step: samples, items, mean loss
         self.window_micro = []   # micro-batches per optimizer step
         self.n_skipped,self.n_dropped,self.n_step_cancelled = 0,0,0
+
+    # -- a checkpoint between micro-batches (`accum_callback.checkpoint`) --------------------------------------------
+    def state_dict(self)->dict:
+        "What the rest of the fit needs of this callback: the window in progress, the logs, the schedule's clock"
+        w = self.window
+        return dict(window={k: getattr(w, k) for k in Window.__slots__ if k not in ('no_sync', 'hypers_now')},
+                    logs={k: getattr(self, k) for k in _LOGS}, clock=dict(vars(self._clock)), decided=self._decided)
+    def load_state_dict(self, sd:dict):
+        for k,v in sd['window'].items(): setattr(self.window, k, v)
+        for k,v in sd['logs'].items(): setattr(self, k, v)
+        self._clock.__dict__.update(sd['clock']); self._decided = sd['decided']
+        self._new_fit = False   # (the logs are this fit's)
 
     # -- what `MicroBatching` reads and undoes -------------------------------------------------------------------
     def window_state(self)->tuple[dict,bool]:

@@ -167,6 +167,17 @@ class PooledStats:
         for l,(o,c) in enumerate(zip(self.offsets, self.sizes)):
             for i in range(n[l]): self.S[first[l]+i, :, o:o+c].copy_(self.stage[i, :, o:o+c])
 
+    def state(self)->dict:
+        "The window's slots so far (between micro-batches: nothing pending)"
+        J = max(map(len, self.counts), default=0)
+        return dict(S=self.S[:J].clone(), counts=[list(c) for c in self.counts], nbt_host=self.nbt_host,
+                    nbt_now=getattr(self, 'nbt_now', None))
+    def load_state(self, st:dict):
+        J = len(st['S']); self.grow(J)
+        with torch.no_grad(): self.S.zero_(); self.S[:J].copy_(st['S'])
+        self.counts,self.nbt_host = [list(c) for c in st['counts']],st['nbt_host']
+        if st['nbt_now'] is not None: self.nbt_now = st['nbt_now']
+
     def restore_buffers(self):
         "Put back the buffers of a forward that raised between the two hooks"
         for l,s in enumerate(self.stash):
@@ -262,6 +273,8 @@ class _Mode:
     def after_backward(self): pass
     def window_closed(self, stepped:bool): pass
     def restore(self): pass
+    def state(self): return None
+    def load_state(self, st): pass
 
 class Pool(_Mode):
     "'pool': one running-statistics update per optimizer step, from every micro-batch of the window (`PooledStats`)"
@@ -297,6 +310,9 @@ class Pool(_Mode):
         for b in self.banks: b.paused = on
     def window_closed(self, stepped:bool):
         for b in self.banks: b.close(stepped)
+    def state(self): return [b.state() for b in self.banks]
+    def load_state(self, st):
+        for b,s in zip(self.banks, st): b.load_state(s)
     def micro_undone(self):
         for b in self.banks: b.restore_buffers(); b.end_micro(False)
     def restore(self):
@@ -328,6 +344,11 @@ class Momentum(_Mode):
         if getattr(self, 'guard', None) is not None: self.guard.remove()
         for bn,m in getattr(self, 'saved', ()): bn.momentum = m
         self.saved = []
+    def state(self): return dict(k=self.k)
+    def load_state(self, st):
+        self.k = st['k']
+        if self.k is not None:
+            for bn,m in self.saved: bn.momentum = accumulated_momentum(m, self.k)
 
 class Freeze(_Mode):
     "'freeze': BatchNorm layers normalise with their running statistics in training too"
@@ -509,6 +530,12 @@ class BatchNormAccumulation(Callback):
         if self.active is not None: self.active.before_backward()
     def after_backward(self):
         if self.active is not None: self.active.after_backward()
+    def state_dict(self)->dict:
+        "What a window in progress holds ('pool': its micro-batches' statistics; 'momentum': the momenta in force)"
+        return dict(active=self.active.state() if self.active is not None else None, recomputed=getattr(self, '_recomputed', True))
+    def load_state_dict(self, sd:dict):
+        if self.active is not None and sd['active'] is not None: self.active.load_state(sd['active'])
+        self._recomputed = sd['recomputed']
     def _window_closed(self, stepped:bool):
         "GradientAccumulation closed the window: stepped, or dropped/skipped/cancelled"
         if self.active is not None: self.active.window_closed(stepped)

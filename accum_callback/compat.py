@@ -151,3 +151,16 @@ def clear_held_grads(fp):
         fp.unsharded_accumulated_grad = None
     up = fp.__dict__.get('_unsharded_param')
     if up is not None and up.grad is not None: up.grad = None
+
+def rng_states()->tuple:
+    "Every global RNG's state: torch's CPU and CUDA (where available), Python's, numpy's"
+    import random, numpy as np
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            random.getstate(), np.random.get_state())
+
+def set_rng_states(saved:tuple):
+    "Put back what `rng_states()` took"
+    import random, numpy as np
+    torch.set_rng_state(saved[0])
+    if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
+    random.setstate(saved[2]); np.random.set_state(saved[3])

@@ -188,6 +188,14 @@ class GradientNoiseScale(Callback):
         self._ema = self._ema_raw/(1 - self.beta**self._n) if self.beta else self._ema_raw
         for k,v in zip(self.log, (g_small2, g_big2, b, B, g2, tr, self._ema[0], self._ema[1], self.ga.steps)): self.log[k].append(v)
 
+    def state_dict(self)->dict:
+        "The averages, the logs and each schedule's window size (a checkpoint between micro-batches)"
+        return dict(ema_raw=getattr(self, '_ema_raw', None), ema=self._ema, n=self._n, log=self.log, first=self._first,
+                    schedules=[(s.value, list(s.history)) for s in self.schedules])
+    def load_state_dict(self, sd:dict):
+        self._ema_raw,self._ema,self._n,self.log,self._first = sd['ema_raw'],sd['ema'],sd['n'],sd['log'],sd['first']
+        for s,(v,h) in zip(self.schedules, sd['schedules']): s.value,s.history = v,h
+
     def _sum_over_ranks(self, t:torch.Tensor)->torch.Tensor:
         t = t.clone(); dist.all_reduce(t); return t
 

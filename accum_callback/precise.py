@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastai.learner import Learner
 from fastcore.basics import patch
 
-from .compat import BatchNormBase
+from .compat import rng_states, set_rng_states, BatchNormBase
 from .distributed import is_distributed
 from .micro.loader import loader_pieces
 
@@ -75,17 +75,6 @@ def trained_bn_layers(model:nn.Module, learn=None)->list:
 class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
     n_items = 0
-
-def rng_states()->tuple:
-    "Every RNG's state: torch's CPU and CUDA (where initialised), Python's, numpy's"
-    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            random.getstate(), np.random.get_state())
-
-def set_rng_states(saved:tuple):
-    "Put back what `rng_states()` took"
-    torch.set_rng_state(saved[0])
-    if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
-    random.setstate(saved[2]); np.random.set_state(saved[3])
 
 @contextlib.contextmanager
 def rngs_kept():

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from accum_callback.files import replace_durably
+
 __all__ = ['CACHE_VERSION', 'MARGIN', 'CacheError', 'split_items', 'decode', 'cached_split', 'CachedImages', 'cached_dls',
            'inference_dls']
 
@@ -93,12 +95,8 @@ def _umask()->int:
 def _checksum_file(path:Path)->Path: return path.with_suffix('.crc32')
 
 def _write_durably(tmp:Path, dest:Path, text:str|None=None):
-    "fsync `tmp`, rename it to `dest`, fsync the folder: after a power loss the name points at the whole file or at none"
-    with open(tmp, 'rb+') as f: os.fsync(f.fileno())
-    os.replace(tmp, dest)
-    fd = os.open(dest.parent, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
+    "fsync `tmp`, rename it to `dest`, fsync the folder (`accum_callback.files`, the checkpoints' helper too)"
+    replace_durably(tmp, dest)
 
 def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray:
     """The images `files` at `size`, memory-mapped from `folder` (built first if the folder has none for exactly these

@@ -62,6 +62,11 @@ def make_parser(prog:str=PROG)->argparse.ArgumentParser:
     a('--out', type=Path, default=Path('runs/finetune'), metavar='DIR', help='where metrics.json, training.png and '
       'model.pkl go (default: runs/finetune)')
     a('--overwrite', action='store_true', help='replace the results of an earlier run in --out (otherwise refused)')
+    a('--resume', action='store_true', help='continue the run that was interrupted in --out from its last checkpoint '
+      '(--out/checkpoints), to the results the uninterrupted run would have given; same arguments as that run')
+    a('--checkpoint-minutes', type=float, default=5., metavar='M', help='save a checkpoint every M minutes of training '
+      'and at each epoch end, into --out/checkpoints (removed when the run finishes); SIGTERM saves one and stops '
+      '(exit 143); 0: none (default 5)')
     a('--cache', default=None, metavar='DIR|off', help="where --data's images are kept decoded (each decoded once, "
       "resized, then read as arrays; rebuilt when a file changes): default the job's cache folder "
       "($ACCUM_CALLBACK_CACHE/images); off: fastai's pipeline, every image decoded in every epoch")
@@ -87,6 +92,10 @@ def check_args(args)->argparse.Namespace:
             raise UsageError(f"argument --bn-precise: --bn {args.bn} " + ("has no BatchNorm callback" if args.bn == 'none' else
                              "keeps the statistics frozen") + ": give another --bn, or --bn-precise 0")
     if not args.lr > 0: raise UsageError(f"argument --lr: must be > 0, got {args.lr}")
+    if not args.checkpoint_minutes >= 0: raise UsageError(f"argument --checkpoint-minutes: must be >= 0, got {args.checkpoint_minutes}")
+    if args.resume and not args.checkpoint_minutes: raise UsageError("argument --resume: continues from checkpoints, and --checkpoint-minutes 0 makes none")
+    if args.resume and not any((args.out/'checkpoints').glob('ckpt-*.pt')):
+        raise UsageError(f"argument --resume: no checkpoint in {args.out/'checkpoints'} to continue from; run without --resume")
     if not 0 < args.valid_pct < 1: raise UsageError(f"argument --valid-pct: must be between 0 and 1, got {args.valid_pct}")
     bs_flag = '--loader-bs'
     if isinstance(args.micro_bs, int) and args.loader_bs is None:   # the old spelling: --micro-bs N was the loader's batch
@@ -191,15 +200,31 @@ def _run(args)->int:
         if args.check or args.check_only:
             print(learn.check_accumulation(), flush=True)
             if args.check_only: return 0
-        m = finetune(learn, args.epochs, args.lr)
+        ckpt = None
+        if args.checkpoint_minutes:
+            from accum_callback import Checkpoint
+            ckpt = Checkpoint(args.out.resolve()/'checkpoints', minutes=args.checkpoint_minutes, resume=args.resume, signals=('SIGTERM',))
+        try: m = finetune(learn, args.epochs, args.lr, cbs=[ckpt] if ckpt is not None else None)
+        except SystemExit as e:
+            if e.code != 143: raise
+            print(f"{PROG}: stopped (SIGTERM), checkpoint saved in {args.out/'checkpoints'}: add --resume to continue", file=sys.stderr)
+            return 143
+        if ckpt is not None and ckpt.resumed_from is not None: m['resumed_from'] = str(ckpt.resumed_from)
         m['data'],m['cache'],m['augment'] = dls.source,(str(cache) if cache is not None else None),augment
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
         export(learn, tmp/'model.pkl', cached=cache is not None)
         args.out.mkdir(parents=True, exist_ok=True)
-        files = [Path(shutil.move(f, args.out/f.name)) for f in sorted(tmp.iterdir())]   # replaces (--overwrite)
+        files = [_place(f, args.out/f.name) for f in sorted(tmp.iterdir())]   # replaces (--overwrite)
+        shutil.rmtree(args.out/'checkpoints', ignore_errors=True)   # (the run is done: they served their purpose)
     finally: shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(m, dls.source, files))
     return 0
+
+def _place(src:Path, dest:Path)->Path:
+    "Copy `src` to `dest` through `atomic_write`: a cut leaves the earlier `dest` or the whole new one, never a part"
+    from accum_callback.files import atomic_write
+    with open(src, 'rb') as f, atomic_write(dest) as out: shutil.copyfileobj(f, out, 1 << 20)
+    return dest
 
 def main(argv=None, prog:str=PROG)->int:
     "Entry point of `accum-finetune` and `python -m accum_callback` (`prog`: how it was called, for its messages); returns the exit status"

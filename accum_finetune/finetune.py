@@ -132,13 +132,13 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
     return learn
 
-def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True)->dict:
-    "Fine-tune a `build_learner` Learner with one cycle for `epochs`; return its metrics"
+def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True, cbs=None)->dict:
+    "Fine-tune a `build_learner` Learner with one cycle for `epochs` (`cbs`: for this fit, e.g. a `Checkpoint`); return its metrics"
     lr = lr if lr is not None else learn.lr
     t0 = time.perf_counter()
-    if progress: learn.fit_one_cycle(epochs, lr)
+    if progress: learn.fit_one_cycle(epochs, lr, cbs=cbs)
     else:
-        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr)
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr, cbs=cbs)
     secs = time.perf_counter()-t0
     rec,ga,tp,job,dls = learn.recorder,learn.gradient_accumulation,learn.throughput,learn.job,learn.dls
     accs = [float(v[2]) for v in rec.values]

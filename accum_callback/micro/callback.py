@@ -87,6 +87,9 @@ class MicroBatching(Callback):
         if not any(isinstance(cb, CutLoader) for cb in learn.cbs): learn.add_cb(CutLoader(self))
         add_fit_guard(learn, 'micro_batching', lambda e: isinstance(e, CANCELS) or self._unhook())
 
+    def state_dict(self)->dict: "The size in force and what 'auto' learned (a checkpoint)"; return dict(size=self.size, trials=self.trials, probe=self._probe, serial=self._serial)
+    def load_state_dict(self, sd:dict): self.size,self.trials,self._probe,self._serial = sd['size'],sd['trials'],sd['probe'],sd['serial']
+
     def _window(self):
         "The `GradientAccumulation` that steps once per loader batch (found by its interface: this package is below it)"
         return next((cb for cb in self.learn.cbs if hasattr(cb, 'window_state') and hasattr(cb, 'restore_window')), None)

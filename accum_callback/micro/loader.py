@@ -8,6 +8,7 @@ import torch
 from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
+from ..compat import rng_states, set_rng_states
 from ..distributed import is_distributed
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
@@ -25,6 +26,40 @@ def batch_sizes(dl)->list:
     if n is None or not bs: return [bs or 1]*nb
     return [min(bs, n - i*bs) for i in range(nb)]
 
+class Feed:
+    """The training loader's batches as fetched, for a checkpoint taken between micro-batches (`accum_callback.checkpoint`):
+    while `keep`, the global RNG states before the latest fetch (the batch read ahead was made with them: its random
+    transforms draw from them); `skip` loader batches are left out of the next pass without being loaded (the loader's
+    order is its own), and `resume = (rngs before the first fetch, rngs after it)` fetches the first batch of that pass
+    as the interrupted run fetched it, then puts the RNGs where the run was cut"""
+    def __init__(self): self.keep,self.before,self.skip,self.resume = False,None,0,None
+    def __call__(self, dl):
+        skip,self.skip = self.skip,0
+        if skip: _skip_batches(dl, skip)
+        it = iter(dl)   # (the loader draws its order at the first batch, from its own RNG)
+        r,self.resume = self.resume,None
+        while True:
+            if r is not None: set_rng_states(r[0])
+            s = rng_states() if self.keep else None
+            try: b = next(it)
+            except StopIteration: return
+            finally:
+                if r is not None: set_rng_states(r[1]); r = None
+            self.before = s
+            yield b
+
+def _skip_batches(dl, k:int):
+    """Leave the first `k` batches out of `dl`'s next pass, unloaded: its indices, as fastai's loaders (and
+    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole)"""
+    if not can_skip(dl):
+        raise ValueError("a checkpoint mid-epoch needs a fastai loader with a batch size (its indices are cut to skip the "
+                         f"batches done); {type(dl).__name__} has none: checkpoint at epoch ends")
+    orig = dl.get_idxs
+    def get_idxs(): dl.__dict__.pop('get_idxs', None); return list(orig())[k*dl.bs:]
+    dl.get_idxs = get_idxs
+
+def can_skip(dl)->bool: "Can `dl` leave batches out of a pass unloaded (`Feed.skip`)?"; return hasattr(dl, 'get_idxs') and bool(getattr(dl, 'bs', None))
+
 def with_last(it):
     "Yield `(item, is_last)` of an iterable: its end is where its iterator ends, whatever its `len` says (one item read ahead)"
     it = iter(it)
@@ -39,14 +74,14 @@ class ReadAhead:
     """The training loader read one batch ahead, so that `last` tells whether the batch being run is the epoch's last
     (fastai's loop knows only `len`, which a loader such as `DistributedDL`, a custom sampler or an iterable dataset can
     overstate). Everything else is the real loader's. It holds one more batch than fastai does"""
-    def __init__(self, dl): self.dl,self.last = dl,False
+    def __init__(self, dl): self.dl,self.last,self.feed = dl,False,Feed()
     def __getattr__(self, k):
-        if k == 'dl': raise AttributeError(k)
+        if k in ('dl', 'feed'): raise AttributeError(k)
         return getattr(self.dl, k)
     def __len__(self)->int: return len(self.dl)
     def __iter__(self):
         self.last = False
-        for b,self.last in with_last(self.dl): yield b
+        for b,self.last in with_last(self.feed(self.dl)): yield b
 
 def model_device(model)->torch.device: "Where `model`'s parameters are (the CPU for a model without any)"; return next(iter(model.parameters()), torch.empty(0)).device
 
@@ -92,10 +127,10 @@ class MicroBatches:
     loader's (`bs`, `device`, `dataset`, ...). After an out-of-memory error `retry` makes it cut the same samples again,
     at the size in force then. `mb` is the `MicroBatching` callback: its `size`, `rows`, `batch_started`/`batch_done`."""
     def __init__(self, dl, mb):
-        self.dl,self.mb = dl,mb
+        self.dl,self.mb,self.feed = dl,mb,Feed()
         self.piece,self.batch_index,self.retry,self._nom = Piece(),-1,False,None
     def __getattr__(self, k):
-        if k in ('dl', 'mb'): raise AttributeError(k)
+        if k in ('dl', 'mb', 'feed'): raise AttributeError(k)
         return getattr(self.dl, k)
     def __len__(self)->int:
         "Micro-batches this epoch at the size in force (fastai's `n_iter` and progress bar read it)"
@@ -111,7 +146,7 @@ class MicroBatches:
         return rest + k
     def __iter__(self):
         nb,bs,mb = len(self.dl),self.dl.bs,self.mb
-        for bi,(b,last) in enumerate(with_last(self.dl)):
+        for bi,(b,last) in enumerate(with_last(self.feed(self.dl)), start=self.feed.skip):
             n = find_bs(b)
             # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
             self._nom = bs if (is_distributed(mb.learn.model) and bs) else None

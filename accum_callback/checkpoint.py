@@ -1,0 +1,359 @@
+"""Stop anywhere, resume to the same weights: `Checkpoint`, a callback that saves everything the rest of a fit depends on
+between two micro-batches (a window in progress included) and, when the same fit is run again, resumes it from the
+newest good checkpoint, bitwise where the run is deterministic (docs/resume.md).
+
+What is saved: the model (parameters and buffers) and the gradients a window has accumulated so far, the optimizer
+with fastai's hyper-parameters, the grad scaler, every global RNG (Python, numpy, torch CPU and CUDA) and the training
+loader's (its order of the epoch, drawn at the epoch's start), the place in the fit (epoch, loader batches done,
+`pct_train`, the schedule's clock in windows), the Recorder's history, the state of each callback of ours
+(`state_dict()`: the window and its logs, `MicroBatching`'s size, `BatchNormAccumulation`'s pooled statistics or
+momenta, `GradientNoiseScale`'s averages and its schedules' values) and fastai's trackers' (`EarlyStopping`,
+`SaveModelCallback`, `ReduceLROnPlateau`: best value and patience). Written atomically (`files.atomic_write`) with a
+CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
+from __future__ import annotations
+import io, json, math, os, re, signal, struct, threading, time, zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.fp16 import MixedPrecision
+from fastai.callback.tracker import TrackerCallback
+
+from .accumulate import GradientAccumulation
+from .batchnorm import BatchNormAccumulation
+from .compat import rng_states, set_rng_states
+from .distributed import is_distributed, is_fsdp, unwrap
+from .files import atomic_write
+from .guard import CANCELS, add_fit_guard, in_inference, remove_fit_guard
+from .micro import MicroBatching
+from .micro.loader import can_skip
+from .noise import GradientNoiseScale
+from .schedule import whole_number
+
+__all__ = ['Checkpoint', 'CheckpointError', 'read_checkpoint']
+
+_MAGIC = b'ACKPT1\n'
+_OURS = (GradientAccumulation, MicroBatching, BatchNormAccumulation, GradientNoiseScale)
+
+class CheckpointError(ValueError):
+    "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
+
+def _rank()->int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def _write(path:Path, obj):
+    buf = io.BytesIO(); torch.save(obj, buf); data = buf.getvalue()
+    with atomic_write(path) as f: f.write(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
+    return len(data)
+
+def read_checkpoint(path)->dict:
+    "The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged"
+    raw = Path(path).read_bytes()
+    h = len(_MAGIC) + 12
+    if not raw.startswith(_MAGIC) or len(raw) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
+    crc,n = struct.unpack('<IQ', raw[len(_MAGIC):h])
+    data = raw[h:]
+    if len(data) != n: raise CheckpointError(f"{path}: cut short ({len(data)} of {n} bytes)")
+    if zlib.crc32(data) != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")
+    return torch.load(io.BytesIO(data), map_location='cpu', weights_only=False)
+
+def _loaders(dl)->list:
+    "The training loader and the loaders it wraps (`DistributedDL`'s), outermost first"
+    out,seen = [],set()
+    while dl is not None and id(dl) not in seen:
+        seen.add(id(dl)); out.append(dl)
+        dl = dl.__dict__.get('dl') if hasattr(dl, '__dict__') else None
+    return out
+
+def _loader_rngs(dl)->list: return [l.rng.getstate() if hasattr(l, 'rng') and hasattr(l.rng, 'getstate') else None for l in _loaders(dl)]
+def _set_loader_rngs(dl, states:list):
+    for l,s in zip(_loaders(dl), states):
+        if s is not None: l.rng.setstate(s)
+
+def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
+def _plain(obj)->dict:
+    "A metric's running totals (numbers and tensors; not the function it calls, which may hold the Learner)"
+    return {k: v for k,v in obj.__dict__.items() if isinstance(v, (int, float, bool, torch.Tensor, type(None)))}
+
+class Checkpoint(Callback):
+    """Save the fit every `every` optimizer steps, every `minutes`, at epoch ends (`epoch_end`) and when the process is
+    asked to stop (SIGTERM, SIGINT: saved at the next micro-batch's end, then the fit stops: `KeyboardInterrupt`, or for
+    SIGTERM `SystemExit(143)`); `batches`: every that many loader batches (mid-window). Keeps the last `keep` in `path`
+    (relative: under `learn.path`). Run the same fit again and it resumes from the newest good checkpoint (`resume`),
+    a finished fit's epochs are not run again; a checkpoint of another fit (window size, loader, world size, model) is
+    refused naming what changed (`strict=False` accepts all but a model of other shapes)."""
+    order,run_valid = 95,True   # after the Recorder (50) and the progress bar (60): their batch is done when we save
+
+    def __init__(self,
+        path='checkpoints', # folder of the checkpoints (under `learn.path` if relative); one per fit run
+        every:int|None=None, # optimizer steps between two checkpoints
+        minutes:float|None=None, # minutes between two checkpoints (checked at micro-batches' ends)
+        batches:int|None=None, # loader batches between two checkpoints (mid-window ones included)
+        epoch_end:bool=True, # a checkpoint at each epoch's end
+        signals:bool|tuple=True, # SIGTERM/SIGINT: checkpoint at the next micro-batch's end, then stop (or a tuple of names, e.g. ('SIGTERM',))
+        keep:int=2, # checkpoints kept (the newest); at least 1
+        resume:bool=True, # resume from the newest good checkpoint in `path` when there is one
+        strict:bool=True, # refuse a checkpoint of another fit (False: accept what can be loaded, said in a warning)
+    ):
+        if every is not None: whole_number(every, 'every')
+        if batches is not None: whole_number(batches, 'batches')
+        if minutes is not None and not (isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes > 0):
+            raise ValueError(f"`minutes` must be a number > 0, got {minutes!r}")
+        whole_number(keep, 'keep')
+        self.path,self.every,self.minutes,self.batches,self.epoch_end = path,every,minutes,batches,bool(epoch_end)
+        if signals is True: signals = ('SIGTERM', 'SIGINT')
+        if not signals: signals = ()
+        if not (isinstance(signals, (tuple, list)) and all(s in ('SIGTERM', 'SIGINT') for s in signals)):
+            raise ValueError(f"`signals` must be True, False or a tuple of 'SIGTERM'/'SIGINT', got {signals!r}")
+        self.signals,self.keep,self.resume,self.strict = tuple(signals),keep,bool(resume),bool(strict)
+        self.n_fit,self.saved,self.resumed_from = 0,[],None
+
+    # -- where ----------------------------------------------------------------------------------------------------
+    @property
+    def folder(self)->Path:
+        p = Path(self.path)
+        return p if p.is_absolute() else Path(self.learn.path)/p
+    def _file(self, serial:int, rank:int)->Path: return self.folder/f'ckpt-{serial:06d}.rank{rank}.pt'
+    def _serials(self)->list:
+        found = set()
+        for f in self.folder.glob('ckpt-*.rank*.pt'):
+            m = re.fullmatch(r'ckpt-(\d+)\.rank(\d+)\.pt', f.name)
+            if m: found.add(int(m.group(1)))
+        return sorted(found)
+
+    # -- fit ------------------------------------------------------------------------------------------------------
+    def before_fit(self):
+        # `lr_find` is a fit of its own that puts the weights back: neither counted nor saved
+        self._off = in_inference(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs)
+        if self._off: return
+        self.n_fit += 1
+        self._k,self._stop,self._exit,self._t0,self._last_steps,self._skip_to = 0,None,None,time.monotonic(),0,None
+        self._epoch_rngs,self._pending,self._checked_steps = None,None,0
+        self.serial = max(self._serials(), default=0)
+        self._install_signals()
+        add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit())
+        if self.resume: self._resume()
+
+    def after_fit(self):
+        if getattr(self, '_off', True): return
+        skipped_all = self._skip_to is not None and self._skip_to >= self.learn.n_epoch
+        if self._exit is None and not skipped_all: self._save('done')
+        self._finish_fit()
+        if self._exit is not None:   # stopped by a signal, after the checkpoint: the process is asked to stop, not the fit
+            sig,self._exit = self._exit,None
+            if sig == signal.SIGINT: raise KeyboardInterrupt('Checkpoint: saved, then stopped (SIGINT)')
+            raise SystemExit(128 + sig)
+
+    def _finish_fit(self):
+        self.learn.__dict__.pop('_with_events', None)
+        self._uninstall_signals()
+        remove_fit_guard(self.learn, 'checkpoint')
+
+    def before_train(self):
+        if self._off: return
+        dl = self.learn.dl
+        feed = getattr(dl, 'feed', None)
+        if feed is not None: feed.keep = True
+        self._epoch_rngs = _loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
+        self._k = 0
+        if self._pending is not None: self._continue(self._pending); self._pending = None
+
+    def _inner(self, dl): return dl.__dict__.get('dl', dl)   # the loader our read-ahead wraps
+
+    def after_batch(self):
+        if self._off or not self.training: return
+        learn = self.learn
+        mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
+        piece = getattr(getattr(mb, 'loader', None), 'piece', None)
+        if piece is not None and not piece.last_piece: return   # (the pieces of one loader batch: saved after its last)
+        self._k += 1
+        last = getattr(learn.dl, 'last', None) if piece is None else piece.last_batch
+        if last or not self._due(): return
+        if not can_skip(self._inner(learn.dl)): return   # (a loader of ready-made batches: epoch ends only)
+        self._save('mid')
+        self._after_save()
+
+    def after_epoch(self):
+        if self._off: return
+        if self.epoch_end or self._due(end=True): self._save('end'); self._after_save()
+
+    def _due(self, end:bool=False)->bool:
+        "A checkpoint now? Rules every rank reads alike, and under DDP the clock and signals agreed at window ends"
+        ga = self._ga()
+        steps = ga.steps if ga is not None else 0
+        due = ((self.every is not None and steps - self._last_steps >= self.every) or
+               (self.batches is not None and self._k % self.batches == 0))
+        if not is_distributed(self.learn.model):
+            return due or self._stop is not None or (self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes)
+        if steps == self._checked_steps and not end: return due
+        self._checked_steps = steps   # (one all-reduce a window, where the step has one anyway)
+        timed = self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes
+        t = torch.tensor([float(self._stop is not None), float(timed)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+        dist.all_reduce(t)
+        signalled,timed = t.tolist()
+        if signalled and self._stop is None: self._stop = signal.SIGTERM   # another rank was asked to stop: all stop
+        return due or bool(signalled) or bool(timed)
+
+    def _after_save(self):
+        ga = self._ga()
+        self._last_steps,self._t0 = (ga.steps if ga is not None else 0),time.monotonic()
+        if self._stop is not None:   # asked to stop: the fit ends cleanly (every callback's `after_fit`), then the process
+            self._exit,self._stop = self._stop,None
+            raise CancelFitException()
+
+    def _ga(self): return next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
+
+    # -- signals --------------------------------------------------------------------------------------------------
+    def _install_signals(self):
+        self._old = {}
+        if not self.signals or threading.current_thread() is not threading.main_thread(): return
+        def handler(sig, frame):
+            if self._stop is not None: raise KeyboardInterrupt   # twice: stop at once
+            self._stop = sig
+        for s in self.signals: self._old[getattr(signal, s)] = signal.signal(getattr(signal, s), handler)
+
+    def _uninstall_signals(self):
+        for s,h in getattr(self, '_old', {}).items(): signal.signal(s, h)
+        self._old = {}
+
+    # -- saving ---------------------------------------------------------------------------------------------------
+    def signature(self)->dict:
+        "What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs)"
+        learn,ga = self.learn,self._ga()
+        mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
+        bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
+        dl = learn.dls.train
+        return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, 'world size': _world(),
+                'window': repr(ga.sched) + f", partial={ga.partial!r}" if ga is not None else None,
+                'micro_bs': (mb.mode if mb is not None else None),
+                'BatchNorm mode': bna.mode if bna is not None else None,
+                'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}",
+                'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()]}
+
+    def _state(self, where:str)->dict:
+        learn = self.learn
+        model = unwrap(learn.model)
+        params = [p for p in model.parameters()]
+        rec = learn.recorder
+        mets = [_plain(m) for m in getattr(rec, '_train_mets', [])]
+        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+        feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
+        return dict(
+            where=where, epoch=learn.epoch, k=self._k, signature=self.signature(),
+            model={k: _local(v).clone() for k,v in model.state_dict().items()},
+            grads=[None if p.grad is None else _local(p.grad).clone() for p in params],
+            opt=learn.opt.state_dict() if learn.opt is not None else None,
+            scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
+            rngs=rng_states(), fetch_rngs=feed.before if feed is not None else None,
+            loader_rngs=self._epoch_rngs if where == 'mid' else _loader_rngs(self._inner(learn.dls.train)),
+            pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0),
+            recorder=dict({k: getattr(rec, k) for k in ('lrs', 'iters', 'losses', 'values') if hasattr(rec, k)},
+                          smooth=_plain(rec.smooth_loss), mets=mets),
+            callbacks={type(cb).__name__: cb.state_dict() for cb in learn.cbs if isinstance(cb, _OURS)},
+            trackers={f'{i}:{type(cb).__name__}': {k: getattr(cb, k) for k in ('best', 'wait', 'new_best') if hasattr(cb, k)}
+                      for i,cb in enumerate(learn.cbs) if isinstance(cb, TrackerCallback)})
+
+    def _save(self, where:str):
+        self.serial += 1
+        _write(self._file(self.serial, _rank()), self._state(where))
+        if _world() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
+        self.saved.append(self.serial)
+        for s in self._serials()[:-self.keep]:
+            try: self._file(s, _rank()).unlink()
+            except FileNotFoundError: pass
+
+    # -- resuming -------------------------------------------------------------------------------------------------
+    def _newest(self):
+        "The newest checkpoint every rank can read whole (a cut or damaged one is passed over), or None"
+        for s in reversed(self._serials()):
+            try: st = read_checkpoint(self._file(s, _rank())); ok = 1.
+            except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
+            if _world() > 1:
+                t = torch.tensor([ok], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+                dist.all_reduce(t, op=dist.ReduceOp.MIN); ok = t.item()
+            if ok: return s,st
+        return None
+
+    def _resume(self):
+        found = self._newest()
+        if found is None: return
+        serial,st = found
+        self.resumed_from = self._file(serial, _rank())
+        sig,now = st['signature'],self.signature()
+        if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
+            if sig['fit'] == now['fit']: self._load(st)
+            self._skip_epochs(self.learn.n_epoch)
+            return
+        if sig['fit'] < now['fit']: return   # (an earlier fit's: this one starts afresh)
+        self._refuse_changes(sig, now)
+        self._load(st)
+        if st['where'] == 'end': self._skip_epochs(st['epoch'] + 1)
+        else:
+            self._skip_epochs(st['epoch'])
+            self._pending = st   # continued where its epoch's training starts (`before_train`)
+
+    def _refuse_changes(self, old:dict, new:dict):
+        changed = [k for k in old if old.get(k) != new.get(k)]
+        if not changed: return
+        if 'model' in changed:
+            raise CheckpointError(f"Checkpoint: {self.resumed_from} is of a model of other shapes; start afresh with "
+                                  "Checkpoint(..., resume=False) or another `path`")
+        what = '; '.join(f"{k}: {old[k]!r} then, {new[k]!r} now" for k in changed)
+        if self.strict:
+            raise CheckpointError(f"Checkpoint: cannot resume {self.resumed_from} exactly, {what}. Run the fit as it was, "
+                                  "start afresh with Checkpoint(..., resume=False), or accept it with strict=False")
+        import warnings
+        warnings.warn(f"Checkpoint: resuming {self.resumed_from} with {what} (strict=False): not the run it would have been")
+
+    def _load(self, st:dict):
+        learn = self.learn
+        model = unwrap(learn.model)
+        with torch.no_grad():
+            sd = model.state_dict()
+            for k,v in st['model'].items(): _local(sd[k]).copy_(v)
+            for p,g in zip(model.parameters(), st['grads']):
+                if g is None: p.grad = None
+                elif p.grad is None: p.grad = g.to(_local(p).device) if not hasattr(p, 'to_local') else None
+                else: _local(p.grad).copy_(g)
+        if st['opt'] is not None and learn.opt is not None: learn.opt.load_state_dict(st['opt'])
+        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+        if st['scaler'] is not None and mp is not None and getattr(mp, 'scaler', None) is not None: mp.scaler.load_state_dict(st['scaler'])
+        rec = learn.recorder
+        for k,v in st['recorder'].items():
+            if k not in ('smooth', 'mets'): setattr(rec, k, v)
+        rec.smooth_loss.__dict__.update(st['recorder']['smooth'])
+        for m,d in zip(getattr(rec, '_train_mets', []), st['recorder']['mets']): m.__dict__.update(d)
+        for cb in learn.cbs:
+            if isinstance(cb, _OURS) and type(cb).__name__ in st['callbacks']: cb.load_state_dict(st['callbacks'][type(cb).__name__])
+        for i,cb in enumerate(learn.cbs):
+            d = st['trackers'].get(f'{i}:{type(cb).__name__}')
+            if d: cb.__dict__.update(d)
+        learn.epoch,learn.pct_train,learn.train_iter = st['epoch'],st['pct_train'],st['train_iter']
+        if st['where'] != 'mid':
+            set_rng_states(st['rngs'])
+            _set_loader_rngs(self._inner(learn.dls.train), st['loader_rngs'])
+
+    def _continue(self, st:dict):
+        "The epoch the checkpoint was taken in starts: its order, the batches done skipped unloaded, the RNGs as they were"
+        learn = self.learn
+        inner = self._inner(learn.dl)
+        _set_loader_rngs(inner, st['loader_rngs'])
+        self._epoch_rngs = st['loader_rngs']
+        feed = learn.dl.feed
+        feed.skip,feed.resume = st['k'],(st['fetch_rngs'], st['rngs'])
+        self._k = st['k']
+        learn.pct_train,learn.train_iter = st['pct_train'],st['train_iter']
+        rec = learn.recorder
+        rec.smooth_loss.__dict__.update(st['recorder']['smooth'])
+        for m,d in zip(getattr(rec, '_train_mets', []), st['recorder']['mets']): m.__dict__.update(d)
+        for k in ('lrs', 'losses'): setattr(rec, k, st['recorder'][k])
+
+    def _skip_epochs(self, first:int):
+        "Epochs before `first` are done: fastai's loop runs them without a single event (instance-level, this fit only)"
+        self._skip_to = first
+        learn,orig = self.learn,self.learn._with_events
+        def with_events(f, event_type, ex, final=lambda: None):
+            if event_type == 'epoch' and learn.epoch < first: return
+            return orig(f, event_type, ex, final)
+        learn.__dict__['_with_events'] = with_events

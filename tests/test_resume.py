@@ -1,0 +1,163 @@
+"""Stop anywhere, resume to the same weights (issue 37): a fit killed with SIGKILL at points drawn at random (mid-window,
+inside a 'carry' window, between a micro-batch's backward and the step, in the middle of a checkpoint's write) and run
+again ends with weights, optimizer state, BatchNorm buffers, the Recorder's losses and the step count bitwise equal to
+the uninterrupted fit's (CPU, one thread); a cut or damaged checkpoint is never loaded; a resume that cannot be exact is
+refused naming what changed. One draw of points per configuration in the default run, twelve behind `-m slow`."""
+import json, random, signal, subprocess, sys, time, warnings, zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from accum_callback import Checkpoint, GradientAccumulation
+from accum_callback.checkpoint import CheckpointError, _MAGIC, read_checkpoint
+from helpers import make_learner, make_data
+
+WORKER = Path(__file__).with_name('resume_worker.py')
+EVENTS = ('before_batch', 'after_pred', 'after_backward', 'before_step', 'after_step', 'after_batch', 'in_save',
+          'sigterm_after_backward')
+
+def points(seed:int, n:int)->list:
+    "`n` kill points: an event and the micro-batch of the run (from 1) it is reached at; at least one cut write"
+    rng = random.Random(seed)
+    out = [('in_save', rng.randint(1, 3))] + [(rng.choice(EVENTS), rng.randint(1, 9)) for _ in range(n-1)]
+    rng.shuffle(out)
+    return out
+
+def resumed(tmp_path, config, pts, meth='fit'):
+    out = tmp_path/config
+    r = subprocess.run([sys.executable, str(WORKER), config, str(out), json.dumps(pts), meth], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out/'result.pt', weights_only=False)
+
+def assert_same(res):
+    a,b = res['ref'],res['final']
+    diff = [k for k in a['model'] if not torch.equal(a['model'][k], b['model'][k])]
+    assert not diff, f"kills {res['kills']}: weights or buffers differ from the uninterrupted run: {diff}"
+    assert len(a['opt']) == len(b['opt']) and all(torch.equal(x[k], y[k]) for x,y in zip(a['opt'], b['opt']) for k in x), 'optimizer state differs'
+    assert a['steps'] == b['steps'] and a['losses'] == b['losses'] and a['values'] == b['values'], 'steps or the Recorder differ'
+    assert sum(c == -9 for _,_,c in res['kills']) >= 1, f"no run was killed: {res['kills']}"
+
+CONFIGS = [('n_step', 'fit'), ('carry_pool', 'fit_one_cycle'), ('noise', 'fit'), ('auto_oom', 'fit'),
+           ('momentum', 'fit'), ('n_step', 'fine_tune')]
+
+@pytest.mark.parametrize('config,meth', CONFIGS, ids=[f'{c}-{m}' for c,m in CONFIGS])
+def test_killed_and_resumed_is_bitwise_the_uninterrupted_fit(tmp_path, config, meth):
+    assert_same(resumed(tmp_path, config, points(zlib.crc32(f'{config}{meth}'.encode()), 4), meth))
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config,meth', CONFIGS, ids=[f'{c}-{m}' for c,m in CONFIGS])
+def test_twelve_kills_each(tmp_path, config, meth):
+    assert_same(resumed(tmp_path, config, points(7 + zlib.crc32(f'{config}{meth}'.encode()), 12), meth))
+
+# -- in-process: refusals, damaged files -------------------------------------------------------------------------------
+class Boom(Exception): pass
+
+class RaiseAt:
+    "Raises `Boom` at the `at`-th training batch: the fit ends as a crash would (no `after_fit`)"
+    def __new__(cls, at):
+        from fastai.callback.core import Callback
+        class _R(Callback):
+            order = 99
+            def __init__(self): self.k = 0
+            def after_batch(self):
+                if self.training:
+                    self.k += 1
+                    if self.k == at: raise Boom('the run is cut here')
+        return _R()
+
+def _data(n=40): x,y = make_data(n, seed=4).tensors; return TensorDataset(x, y)
+
+def _interrupted(tmp_path, **kw):
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', batches=2), RaiseAt(7)], **kw)
+    with learn.no_bar(), learn.no_logging(), pytest.raises(Boom): learn.fit(2)
+    return tmp_path/'ck'
+
+@pytest.mark.parametrize('change,named', [
+    (dict(cbs=[GradientAccumulation(n_step=3)]), 'window'),
+    (dict(bs=5), 'training loader'),
+    (dict(n_epoch=3), 'n_epoch'),
+])
+def test_a_resume_that_cannot_be_exact_is_refused_naming_what_changed(tmp_path, change, named):
+    ck = _interrupted(tmp_path)
+    learn = make_learner(_data(), change.get('bs', 4), cbs=change.get('cbs', [GradientAccumulation(n_step=2)]) + [Checkpoint(ck)])
+    with learn.no_bar(), learn.no_logging(), pytest.raises(CheckpointError, match=rf"{named}: .* then, .* now.*strict=False"):
+        learn.fit(change.get('n_epoch', 2))
+    relaxed = make_learner(_data(), change.get('bs', 4), cbs=change.get('cbs', [GradientAccumulation(n_step=2)]) + [Checkpoint(ck, strict=False)])
+    with relaxed.no_bar(), relaxed.no_logging(), pytest.warns(UserWarning, match='strict=False'): relaxed.fit(change.get('n_epoch', 2))
+
+def test_another_model_or_world_size_is_refused(tmp_path, monkeypatch):
+    ck = _interrupted(tmp_path)
+    from helpers import MLP
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(ck, strict=False)], model=MLP(n_in=5, n_out=3, n_hidden=7))
+    with learn.no_bar(), learn.no_logging(), pytest.raises(CheckpointError, match='model of other shapes'): learn.fit(2)
+    sig = Checkpoint.signature
+    monkeypatch.setattr(Checkpoint, 'signature', lambda self: {**sig(self), 'world size': 2})   # (as on 2 ranks)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(ck)])
+    with learn.no_bar(), learn.no_logging(), pytest.raises(CheckpointError, match='world size: 1 then, 2 now'): learn.fit(2)
+
+@pytest.mark.parametrize('damage', ['truncate', 'flip', 'part'])
+def test_a_cut_or_damaged_checkpoint_is_never_loaded(tmp_path, damage):
+    ck = _interrupted(tmp_path)
+    files = sorted(ck.glob('ckpt-*.rank0.pt'))
+    assert len(files) == 2   # keep=2
+    newest = files[-1]
+    raw = newest.read_bytes()
+    if damage == 'truncate': newest.write_bytes(raw[:len(raw)//2])
+    elif damage == 'flip': newest.write_bytes(raw[:-100] + bytes([raw[-100] ^ 0xFF]) + raw[-99:])
+    else: newest.unlink(); (ck/f'.{newest.name}.123.part').write_bytes(raw[:100])   # a write the kill cut: never renamed
+    if damage != 'part':
+        with pytest.raises(CheckpointError): read_checkpoint(newest)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(ck)])
+    with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    assert cb.resumed_from == files[0]
+
+def test_a_finished_fit_is_not_run_again_and_a_fresh_start_is_asked_for(tmp_path):
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck')])
+    with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    w = [p.detach().clone() for p in learn.model.parameters()]
+    again = make_learner(_data(), 4, seed=5, cbs=[GradientAccumulation(n_step=2), cb2 := Checkpoint(tmp_path/'ck')])
+    with again.no_bar(), again.no_logging(): again.fit(2)
+    assert again.gradient_accumulation.steps == 10   # (its logs as the fit ended)
+    assert all(torch.equal(a, b) for a,b in zip(w, again.model.parameters())), 'the finished fit was not restored as it ended'
+    fresh = make_learner(_data(), 4, seed=5, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', resume=False)])
+    with fresh.no_bar(), fresh.no_logging(): fresh.fit(2)
+    assert fresh.gradient_accumulation.steps == 10 and not all(torch.equal(a, b) for a,b in zip(w, fresh.model.parameters()))
+
+def test_bad_arguments_are_named():
+    for kw,name in ((dict(every=0), 'every'), (dict(minutes=-1), 'minutes'), (dict(keep=0), 'keep'), (dict(batches=1.5), 'batches')):
+        with pytest.raises((ValueError, TypeError), match=name): Checkpoint(**kw)
+
+# -- the job: SIGTERM, then --resume -----------------------------------------------------------------------------------
+def _job(out, *extra, **kw):
+    return subprocess.Popen([sys.executable, '-m', 'accum_callback', '--epochs', '1', '--threads', '1', '--device', 'cpu',
+                             '--out', str(out), '--checkpoint-minutes', '0.0005', *extra], cwd=Path(__file__).parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+def test_the_job_stopped_by_sigterm_resumes_to_the_uninterrupted_results(tmp_path, cache):
+    ref = _job(tmp_path/'ref'); _,err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err
+    cut = _job(tmp_path/'cut')
+    t0 = time.monotonic()
+    while not list((tmp_path/'cut'/'checkpoints').glob('ckpt-*.pt')):   # training has begun: a checkpoint is there
+        assert cut.poll() is None and time.monotonic() - t0 < 240, cut.communicate()
+        time.sleep(0.05)
+    time.sleep(random.Random(1).uniform(0, 1))
+    cut.send_signal(signal.SIGTERM)
+    _,err = cut.communicate(timeout=120)
+    assert cut.returncode == 143 and 'add --resume to continue' in err, err
+    assert not (tmp_path/'cut'/'metrics.json').exists()
+    again = _job(tmp_path/'cut', '--resume'); _,err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('ref', 'cut'))
+    assert 'resumed_from' in b and a['accuracy_per_epoch'] == b['accuracy_per_epoch'] and a['valid_loss'] == b['valid_loss']
+    assert a['optimizer_steps'] == b['optimizer_steps'] and not (tmp_path/'cut'/'checkpoints').exists()
+    from fastai.learner import load_learner
+    ma,mb = (load_learner(tmp_path/d/'model.pkl', cpu=True).model.state_dict() for d in ('ref', 'cut'))
+    assert all(torch.equal(ma[k], mb[k]) for k in ma), 'the resumed job exported other weights'
+
+def test_the_job_refuses_resume_without_checkpoints(tmp_path):
+    p = _job(tmp_path/'none', '--resume'); _,err = p.communicate(timeout=120)
+    assert p.returncode == 2 and '--resume: no checkpoint' in err, err
