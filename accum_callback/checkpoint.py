@@ -19,6 +19,7 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import TrackerCallback
+from fastai.torch_core import to_device
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
@@ -70,6 +71,14 @@ def _loader_rngs(dl)->list: return [l.rng.getstate() if hasattr(l, 'rng') and ha
 def _set_loader_rngs(dl, states:list):
     for l,s in zip(_loaders(dl), states):
         if s is not None: l.rng.setstate(s)
+
+def _device_of(b):
+    "Where the first tensor of a batch is (a loader batch: a tuple of tensors), or None"
+    if isinstance(b, torch.Tensor): return str(b.device)
+    for x in (b if isinstance(b, (tuple, list)) else ()):
+        d = _device_of(x)
+        if d is not None: return d
+    return None
 
 def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
 def _plain(obj)->dict:
@@ -129,7 +138,7 @@ class Checkpoint(Callback):
         if self._off: return
         self.n_fit += 1
         self._k,self._stop,self._exit,self._t0,self._last_steps,self._skip_to = 0,None,None,time.monotonic(),0,None
-        self._epoch_rngs,self._pending,self._checked_steps = None,None,0
+        self._epoch_rngs,self._pending,self._checked_steps,self._deferred = None,None,0,False
         self.serial = max(self._serials(), default=0)
         self._install_signals()
         add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit())
@@ -153,8 +162,6 @@ class Checkpoint(Callback):
     def before_train(self):
         if self._off: return
         dl = self.learn.dl
-        feed = getattr(dl, 'feed', None)
-        if feed is not None: feed.keep = True
         self._epoch_rngs = _loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
         self._k = 0
         if self._pending is not None: self._continue(self._pending); self._pending = None
@@ -169,8 +176,12 @@ class Checkpoint(Callback):
         if piece is not None and not piece.last_piece: return   # (the pieces of one loader batch: saved after its last)
         self._k += 1
         last = getattr(learn.dl, 'last', None) if piece is None else piece.last_batch
-        if last or not self._due(): return
-        if not can_skip(self._inner(learn.dl)): return   # (a loader of ready-made batches: epoch ends only)
+        if last or not (self._due() or self._deferred): return
+        ga = self._ga()
+        # FSDP2 holds a window's gradients unsharded inside its modules until the window's reduce-scatter: saved when it closes
+        if not can_skip(self._inner(learn.dl)) or (is_fsdp(learn.model) and ga is not None and ga.window.is_open):
+            self._deferred = True; return   # (a loader of ready-made batches: epoch ends only)
+        self._deferred = False
         self._save('mid')
         self._after_save()
 
@@ -245,7 +256,8 @@ class Checkpoint(Callback):
             grads=[None if p.grad is None else _local(p.grad).clone() for p in params],
             opt=learn.opt.state_dict() if learn.opt is not None else None,
             scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
-            rngs=rng_states(), fetch_rngs=feed.before if feed is not None else None,
+            rngs=rng_states(), ahead=to_device(feed.ahead, 'cpu') if feed is not None and feed.ahead is not None else None,
+            ahead_device=_device_of(feed.ahead) if feed is not None else None,
             loader_rngs=self._epoch_rngs if where == 'mid' else _loader_rngs(self._inner(learn.dls.train)),
             pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0),
             recorder=dict({k: getattr(rec, k) for k in ('lrs', 'iters', 'losses', 'values') if hasattr(rec, k)},
@@ -341,7 +353,10 @@ class Checkpoint(Callback):
         _set_loader_rngs(inner, st['loader_rngs'])
         self._epoch_rngs = st['loader_rngs']
         feed = learn.dl.feed
-        feed.skip,feed.resume = st['k'],(st['fetch_rngs'], st['rngs'])
+        # the batches done, and the one read ahead (saved: made again, its random transforms would draw again), skipped
+        feed.skip = st['k'] + (st['ahead'] is not None)
+        if st['ahead'] is not None: feed.first = to_device(st['ahead'], st['ahead_device'])
+        set_rng_states(st['rngs'])
         self._k = st['k']
         learn.pct_train,learn.train_iter = st['pct_train'],st['train_iter']
         rec = learn.recorder

@@ -134,3 +134,51 @@ def main(config:str, out:str, points:list, meth:str='fit'):
 
 if __name__ == '__main__':
     main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), *(sys.argv[4:5] or []))
+
+# -- distributed: each rank its shard, its loader order and its RNGs ---------------------------------------------------
+class _Cut(Exception): pass
+
+class CutAt(Callback):
+    "Raise `_Cut` at the end of the `at`-th training micro-batch, on every rank alike (the job dies there)"
+    order = 99
+    def __init__(self, at): self.at,self.k = at,0
+    def after_batch(self):
+        if self.training:
+            self.k += 1
+            if self.k == self.at: raise _Cut('cut')
+
+def ranks_resume(rank:int, world:int, d:str, kind:str='ddp', at:int=5):
+    """The same 2-epoch fit on every rank's shard: uninterrupted, then cut at micro-batch `at` and run again. Returns
+    whether this rank's weights (its shard under FSDP2), optimizer state and Recorder are bitwise the uninterrupted run's"""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ddp_worker import MLP, fsdp_shard
+    def mk(folder, extra=()):
+        set_seed(0)   # the same initial weights on every rank
+        x,y = regression_data(64, seed=1).tensors
+        model = MLP(n_in=5, n_out=3, seed=0)
+        set_seed(10 + rank)   # each rank's loader its own order
+        dls = DataLoaders(DataLoader(TensorDataset(x[rank::world], y[rank::world]), bs=4, shuffle=True),
+                          DataLoader(TensorDataset(x[:8], y[:8]), bs=8), device='cpu')
+        learn = Learner(dls, model, loss_func=nn.functional.mse_loss, opt_func=Adam, lr=1e-2,
+                        cbs=[GradientAccumulation(n_step=3), Checkpoint(Path(d)/folder, batches=2)] + list(extra))
+        if kind == 'ddp': learn.model = DDP(model)
+        else: fsdp_shard(model, world); learn.create_opt(); learn.fsdp_checkpoints()
+        return learn
+    def fit(learn):
+        with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+            warnings.simplefilter('ignore'); learn.fit(2)
+    def state(learn):
+        m = learn.model.module if kind == 'ddp' else learn.model
+        loc = lambda t: t.to_local() if hasattr(t, 'to_local') else t
+        return ([loc(v).clone() for v in m.state_dict().values()],
+                [loc(v).clone() for s in learn.opt.state_dict()['state'] for v in s.values() if isinstance(v, torch.Tensor)],
+                [float(l) for l in learn.recorder.losses], learn.gradient_accumulation.steps)
+    ref = mk('ref'); fit(ref); a = state(ref)
+    cut = mk('cut', [CutAt(at)])
+    try: fit(cut); raise AssertionError('the cut did not happen')
+    except _Cut: pass
+    again = mk('cut'); fit(again); b = state(again)
+    resumed = again.cbs.filter(lambda c: isinstance(c, Checkpoint))[0].resumed_from
+    return dict(rank=rank, resumed=str(resumed), model=all(torch.equal(x, y) for x,y in zip(a[0], b[0])),
+                opt=len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x,y in zip(a[1], b[1])),
+                losses=a[2] == b[2], steps=(a[3], b[3]))

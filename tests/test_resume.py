@@ -161,3 +161,13 @@ def test_the_job_stopped_by_sigterm_resumes_to_the_uninterrupted_results(tmp_pat
 def test_the_job_refuses_resume_without_checkpoints(tmp_path):
     p = _job(tmp_path/'none', '--resume'); _,err = p.communicate(timeout=120)
     assert p.returncode == 2 and '--resume: no checkpoint' in err, err
+
+# -- DDP and FSDP2: every rank its own file, its loader's place and its RNGs --------------------------------------------
+@pytest.mark.parametrize('kind', ['ddp', pytest.param('fsdp', marks=pytest.mark.skipif(not __import__('helpers').HAS_FSDP2, reason='no FSDP2'))])
+def test_ranks_resume_bitwise(tmp_path, kind):
+    from accum_callback.testing import launch_gloo
+    import resume_worker as RW
+    res = launch_gloo(RW.ranks_resume, kwargs=dict(d=str(tmp_path), kind=kind), timeout=120)
+    for r in res:
+        assert r['resumed'].endswith(f".rank{r['rank']}.pt"), r
+        assert r['model'] and r['opt'] and r['losses'] and r['steps'][0] == r['steps'][1], r

@@ -8,7 +8,6 @@ import torch
 from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
-from ..compat import rng_states, set_rng_states
 from ..distributed import is_distributed
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
@@ -28,35 +27,37 @@ def batch_sizes(dl)->list:
 
 class Feed:
     """The training loader's batches as fetched, for a checkpoint taken between micro-batches (`accum_callback.checkpoint`):
-    while `keep`, the global RNG states before the latest fetch (the batch read ahead was made with them: its random
-    transforms draw from them); `skip` loader batches are left out of the next pass without being loaded (the loader's
-    order is its own), and `resume = (rngs before the first fetch, rngs after it)` fetches the first batch of that pass
-    as the interrupted run fetched it, then puts the RNGs where the run was cut"""
-    def __init__(self): self.keep,self.before,self.skip,self.resume = False,None,0,None
+    `ahead` is the batch read ahead (a reference: nothing is copied). To resume, `skip` loader batches are left out of
+    the next pass without being loaded (the loader's order is its own) and `first`, the batch the interrupted run had
+    read ahead, comes before them: the RNGs then draw for the batches after it exactly as in the interrupted run"""
+    def __init__(self): self.ahead,self.skip,self.first = None,0,None
     def __call__(self, dl):
-        skip,self.skip = self.skip,0
-        if skip: _skip_batches(dl, skip)
-        it = iter(dl)   # (the loader draws its order at the first batch, from its own RNG)
-        r,self.resume = self.resume,None
-        while True:
-            if r is not None: set_rng_states(r[0])
-            s = rng_states() if self.keep else None
-            try: b = next(it)
-            except StopIteration: return
-            finally:
-                if r is not None: set_rng_states(r[1]); r = None
-            self.before = s
-            yield b
+        skip,first,self.skip,self.first = self.skip,self.first,0,None
+        undo = _skip_batches(dl, skip) if skip else None
+        if first is not None: self.ahead = first; yield first
+        for b in dl:
+            if undo is not None: undo(); undo = None
+            self.ahead = b; yield b
+        if undo is not None: undo()
+        self.ahead = None
 
 def _skip_batches(dl, k:int):
     """Leave the first `k` batches out of `dl`'s next pass, unloaded: its indices, as fastai's loaders (and
-    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole)"""
+    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole).
+    Returns what to undo once the pass has started"""
     if not can_skip(dl):
         raise ValueError("a checkpoint mid-epoch needs a fastai loader with a batch size (its indices are cut to skip the "
                          f"batches done); {type(dl).__name__} has none: checkpoint at epoch ends")
     orig = dl.get_idxs
     def get_idxs(): dl.__dict__.pop('get_idxs', None); return list(orig())[k*dl.bs:]
     dl.get_idxs = get_idxs
+    # torch's loader iterator draws a seed from the global RNG when it starts: the interrupted run drew it at the
+    # epoch's start (the RNG states saved include it), so the resumed pass draws it from a generator of its own
+    fake = getattr(dl, 'fake_l', None)
+    if fake is None or not hasattr(fake, 'generator'): return None
+    old,fake.generator = fake.generator,torch.Generator()
+    def undo(): fake.generator = old
+    return undo
 
 def can_skip(dl)->bool: "Can `dl` leave batches out of a pass unloaded (`Feed.skip`)?"; return hasattr(dl, 'get_idxs') and bool(getattr(dl, 'bs', None))
 
@@ -146,7 +147,7 @@ class MicroBatches:
         return rest + k
     def __iter__(self):
         nb,bs,mb = len(self.dl),self.dl.bs,self.mb
-        for bi,(b,last) in enumerate(with_last(self.feed(self.dl)), start=self.feed.skip):
+        for bi,(b,last) in enumerate(with_last(self.feed(self.dl)), start=self.feed.skip - (self.feed.first is not None)):
             n = find_bs(b)
             # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
             self._nom = bs if (is_distributed(mb.learn.model) and bs) else None
