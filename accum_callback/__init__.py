@@ -18,12 +18,12 @@ _MOVED = dict(
     as_window_schedule='schedule', MODES='batchnorm', accumulated_momentum='batchnorm', pooled_mean_var='batchnorm',
     PooledStats='batchnorm', BN_MODES='modes', BatchRenorm='norm_layers', BatchRenorm1d='norm_layers',
     BatchRenorm2d='norm_layers', BatchRenorm3d='norm_layers', NoiseScaleSchedule='noise', NoiseScaleReport='noise',
-    noise_estimates='noise', precise_bn_stats='precise', PopulationStats='precise', BatchNormReport='precise')
+    noise_estimates='noise', precise_bn_stats='precise', PopulationStats='precise', BatchNormReport='bn_check')
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
 _LAYERS = ('modes', 'compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'window', 'guard', 'micro', 'precise', 'replay',
-           'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'checkpoint', 'testing')
+           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'checkpoint', 'testing')
 
 def _load_all():
     import warnings
