@@ -175,6 +175,7 @@ def _run(args)->int:
     from .data import digits_dls, folder_dls
     from .models import DEFAULT_ARCH, check_arch
     from .finetune import build_learner, finetune, plot_training, resolve_device, resolve_precision, write_metrics
+    _check_interrupted()   # (the imports are done)
     check_arch(args.arch)
     try: device = resolve_device(args.device)
     except ValueError as e: raise UsageError(f"argument --device: {e}") from None
@@ -213,6 +214,7 @@ def _run(args)->int:
         m['data'],m['cache'],m['augment'] = dls.source,(str(cache) if cache is not None else None),augment
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
         export(learn, tmp/'model.pkl', cached=cache is not None)
+        _check_interrupted()   # (nothing is written after a Ctrl-C, wherever it landed)
         args.out.mkdir(parents=True, exist_ok=True)
         files = [_place(f, args.out/f.name) for f in sorted(tmp.iterdir())]   # replaces (--overwrite)
         shutil.rmtree(args.out/'checkpoints', ignore_errors=True)   # (the run is done: they served their purpose)
@@ -230,6 +232,10 @@ def main(argv=None, prog:str=PROG)->int:
     "Entry point of `accum-finetune` and `python -m accum_callback` (`prog`: how it was called, for its messages); returns the exit status"
     try: return _run(check_args(make_parser(prog).parse_args(argv)))
     except KeyboardInterrupt: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
+    except Exception:
+        # a Ctrl-C that an import turned into another error (a module half imported when it landed): still an interrupt
+        if _INTERRUPTED: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
+        raise
     except UsageError as e: return _fail(e, prog)
     except OSError as e:
         from .cache import CacheError
@@ -241,11 +247,21 @@ def main(argv=None, prog:str=PROG)->int:
         if not isinstance(e, (DataError, ArchError)): raise
         return _fail(e, prog)
 
+_INTERRUPTED = []   # SIGINT seen (`run` installs the handler): checked where a library might have swallowed its KeyboardInterrupt
+
+def _check_interrupted():
+    "Ctrl-C came earlier but its KeyboardInterrupt was swallowed (a bare `except:` in an import): honour it here"
+    if _INTERRUPTED: raise KeyboardInterrupt
+
 def run(prog:str=PROG):
     """`accum-finetune`, `python -m accum_callback` and `python -m accum_finetune`: `main()`'s status as the process's exit
     status. After Ctrl-C it leaves with `os._exit(130)`: CPython kills itself with SIGINT at exit when a KeyboardInterrupt
     once crossed code run through its C API (as imports can), even one that was caught, turning 130 into -2."""
-    import os
+    import os, signal
+    def on_sigint(sig, frame):
+        _INTERRUPTED.append(sig)
+        raise KeyboardInterrupt
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler: signal.signal(signal.SIGINT, on_sigint)
     code = main(prog=prog)
     if code == 130: sys.stdout.flush(); sys.stderr.flush(); os._exit(130)
     sys.exit(code)
