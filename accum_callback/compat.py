@@ -153,9 +153,10 @@ def clear_held_grads(fp):
     if up is not None and up.grad is not None: up.grad = None
 
 def rng_states()->tuple:
-    "Every global RNG's state: torch's CPU and CUDA (where available), Python's, numpy's"
+    """Every global RNG's state: torch's CPU and CUDA (once CUDA is in use: reading it would start CUDA in a process that
+    has not, and a process forked after that cannot use CUDA), Python's, numpy's"""
     import random, numpy as np
-    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
             random.getstate(), np.random.get_state())
 
 def set_rng_states(saved:tuple):

@@ -230,12 +230,15 @@ def _place(src:Path, dest:Path)->Path:
 
 def main(argv=None, prog:str=PROG)->int:
     "Entry point of `accum-finetune` and `python -m accum_callback` (`prog`: how it was called, for its messages); returns the exit status"
-    try: return _run(check_args(make_parser(prog).parse_args(argv)))
-    except KeyboardInterrupt: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
+    try: return _main(argv, prog)
     except Exception:
         # a Ctrl-C that an import turned into another error (a module half imported when it landed): still an interrupt
         if _INTERRUPTED: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
         raise
+
+def _main(argv, prog:str)->int:
+    try: return _run(check_args(make_parser(prog).parse_args(argv)))
+    except KeyboardInterrupt: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
     except UsageError as e: return _fail(e, prog)
     except OSError as e:
         from .cache import CacheError
