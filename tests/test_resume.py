@@ -79,6 +79,7 @@ def _interrupted(tmp_path, **kw):
     (dict(cbs=[GradientAccumulation(n_step=3)]), 'window'),
     (dict(bs=5), 'training loader'),
     (dict(n_epoch=3), 'n_epoch'),
+    (dict(cbs=[GradientAccumulation(n_step=2, micro_bs=2)]), 'micro_bs'),
 ])
 def test_a_resume_that_cannot_be_exact_is_refused_naming_what_changed(tmp_path, change, named):
     ck = _interrupted(tmp_path)
@@ -163,11 +164,23 @@ def test_the_job_refuses_resume_without_checkpoints(tmp_path):
     assert p.returncode == 2 and '--resume: no checkpoint' in err, err
 
 # -- DDP and FSDP2: every rank its own file, its loader's place and its RNGs --------------------------------------------
-@pytest.mark.parametrize('kind', ['ddp', pytest.param('fsdp', marks=pytest.mark.skipif(not __import__('helpers').HAS_FSDP2, reason='no FSDP2'))])
-def test_ranks_resume_bitwise(tmp_path, kind):
+KINDS = ['ddp', pytest.param('fsdp', marks=pytest.mark.skipif(not __import__('helpers').HAS_FSDP2, reason='no FSDP2'))]
+
+def _ranks(tmp_path, kind, at):
     from accum_callback.testing import launch_gloo
     import resume_worker as RW
-    res = launch_gloo(RW.ranks_resume, kwargs=dict(d=str(tmp_path), kind=kind), timeout=120)
+    res = launch_gloo(RW.ranks_resume, kwargs=dict(d=str(tmp_path), kind=kind, at=at), timeout=120)
     for r in res:
         assert r['resumed'].endswith(f".rank{r['rank']}.pt"), r
         assert r['model'] and r['opt'] and r['losses'] and r['steps'][0] == r['steps'][1], r
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_ranks_resume_bitwise(tmp_path, kind):
+    "Both ranks cut at micro-batch 5 (mid-window: under FSDP2 the checkpoint before the window is resumed)"
+    _ranks(tmp_path, kind, 5)
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('at', [2, 3, 4, 6, 7, 9, 10, 11, 13, 15])
+def test_ranks_resume_bitwise_at_ten_points(tmp_path, kind, at):
+    _ranks(tmp_path, kind, at)
