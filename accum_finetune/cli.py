@@ -5,7 +5,7 @@ everything is checked before training, and the outputs are written to a temporar
 The arguments are parsed before torch and fastai load (`--help` and argument errors answer at once), and Ctrl-C at any
 moment ends with one line and exit status 130."""
 from __future__ import annotations
-import argparse, re, shutil, sys, tempfile, warnings
+import argparse, contextlib, os, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
 from accum_callback.modes import BN_MODES
@@ -94,29 +94,35 @@ def check_args(args)->argparse.Namespace:
     if not args.lr > 0: raise UsageError(f"argument --lr: must be > 0, got {args.lr}")
     if not args.checkpoint_minutes >= 0: raise UsageError(f"argument --checkpoint-minutes: must be >= 0, got {args.checkpoint_minutes}")
     if args.resume and not args.checkpoint_minutes: raise UsageError("argument --resume: continues from checkpoints, and --checkpoint-minutes 0 makes none")
-    if args.resume and not any((args.out/'checkpoints').glob('ckpt-*.pt')):
+    # (under torchrun a first attempt has none: `torchrun --max-restarts K ... --resume` starts afresh, restarts resume)
+    if args.resume and not any((args.out/'checkpoints').glob('ckpt-*.pt')) and 'TORCHELASTIC_RESTART_COUNT' not in os.environ:
         raise UsageError(f"argument --resume: no checkpoint in {args.out/'checkpoints'} to continue from; run without --resume")
     if not 0 < args.valid_pct < 1: raise UsageError(f"argument --valid-pct: must be between 0 and 1, got {args.valid_pct}")
     bs_flag = '--loader-bs'
+    world = _world()   # under torchrun / accelerate launch: --effective-bs is the global batch, over every process
     if isinstance(args.micro_bs, int) and args.loader_bs is None:   # the old spelling: --micro-bs N was the loader's batch
         args.loader_bs,args.micro_bs,bs_flag = args.micro_bs,None,'--micro-bs'
     if args.micro_bs == 'auto' and args.loader_bs is None:   # one loader batch of --effective-bs per step, cut into what fits
         if args.n_step is not None: raise UsageError("argument --n-step: counts loader batches of --loader-bs; with "
                                                      "--micro-bs auto alone give --effective-bs")
         args.effective_bs,args.n_step = 32 if args.effective_bs is None else args.effective_bs,1
-        args.loader_bs = args.effective_bs
+        if args.effective_bs % world:
+            raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of the {world} processes")
+        args.loader_bs = args.effective_bs//world
     else:
         if args.loader_bs is None: args.loader_bs = 4
         if isinstance(args.micro_bs, int) and args.micro_bs > args.loader_bs:
             raise UsageError(f"argument --micro-bs: {args.micro_bs} is larger than --loader-bs {args.loader_bs} (it cuts the loader's batches)")
-        if args.n_step is not None: args.effective_bs = args.loader_bs*args.n_step
+        if args.n_step is not None: args.effective_bs = args.loader_bs*args.n_step*world
         else:
             args.effective_bs = 32 if args.effective_bs is None else args.effective_bs
-            if args.loader_bs > args.effective_bs:
-                raise UsageError(f"argument {bs_flag}: {args.loader_bs} is larger than --effective-bs {args.effective_bs}")
-            if args.effective_bs % args.loader_bs:
-                raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of {bs_flag} {args.loader_bs}")
-            args.n_step = args.effective_bs//args.loader_bs
+            per = args.loader_bs*world   # one loader batch on every process
+            procs = f" x {world} processes" if world > 1 else ''
+            if per > args.effective_bs:
+                raise UsageError(f"argument {bs_flag}: {args.loader_bs}{procs} is larger than --effective-bs {args.effective_bs}")
+            if args.effective_bs % per:
+                raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of {bs_flag} {args.loader_bs}{procs}")
+            args.n_step = args.effective_bs//per
     if args.out.exists() and not args.out.is_dir(): raise UsageError(f"--out {args.out}: exists and is not a folder")
     held = [f for f in RESULTS if (args.out/f).exists()]
     if held and not (args.overwrite or args.check_only):   # --check-only writes nothing
@@ -140,6 +146,7 @@ def check_args(args)->argparse.Namespace:
 
 def _summary(m:dict, source:str, files)->str:
     cut = f" (loader batches of {m['loader_bs']} cut), {m['loader_bs']} x {m['n_step']}" if m['micro_bs'] != m['loader_bs'] else f" x {m['n_step']}"
+    if m.get('processes', 1) > 1: cut += f" x {m['processes']} processes"
     mb = (f"auto: {m['micro_bs']} found, {m['effective_bs']} per optimizer step" if m.get('micro_bs_mode') == 'auto' else
           f"{m['micro_bs']}{cut} = {m['effective_bs']} per optimizer step")
     rows = [('data', source), ('arch', f"{m['arch']} ({'pretrained: '+m['weights'] if m['pretrained'] else 'from scratch'})"),
@@ -179,6 +186,8 @@ def _run(args)->int:
     check_arch(args.arch)
     try: device = resolve_device(args.device)
     except ValueError as e: raise UsageError(f"argument --device: {e}") from None
+    world,rank = _world(),_rank()
+    if world > 1: device = _join_processes(device)   # torchrun / accelerate launch: one process per GPU (or CPU share)
     try: precision = resolve_precision(args.precision, device)
     except ValueError as e: raise UsageError(f"argument --precision: {e}") from None
     torch.set_num_threads(args.threads)   # the command's choice; `finetune` as a library leaves threads alone
@@ -186,13 +195,14 @@ def _run(args)->int:
     augment = args.augment if args.augment is not None else args.data is not None   # off for the embedded digits
     bs = args.loader_bs
     # the data before any pretraining (fail fast): a folder is checked, and decoded into its cache if it has none
-    dls = (digits_dls(bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device, augment=augment)
-           if args.data is None else folder_dls(args.data, bs, args.size, args.valid_pct, args.seed, device=device,
-                                                cache=cache, augment=augment))
+    # (several processes: rank 0 first, building the image cache and the checkpoint once; the others then read them)
+    dls = _rank0_first(lambda: digits_dls(bs, size=args.size, valid_pct=args.valid_pct, seed=args.seed, device=device,
+                                          augment=augment) if args.data is None else
+                       folder_dls(args.data, bs, args.size, args.valid_pct, args.seed, device=device, cache=cache, augment=augment))
     weights = args.weights
     if weights is None and args.arch == DEFAULT_ARCH:
         from .pretrain import pretrained_checkpoint
-        weights = str(pretrained_checkpoint(DEFAULT_ARCH, args.size))
+        weights = str(_rank0_first(lambda: pretrained_checkpoint(DEFAULT_ARCH, args.size)))
     elif weights == 'none': weights = None
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
@@ -205,13 +215,15 @@ def _run(args)->int:
         if args.checkpoint_minutes:
             from accum_callback import Checkpoint
             ckpt = Checkpoint(args.out.resolve()/'checkpoints', minutes=args.checkpoint_minutes, resume=args.resume, signals=('SIGTERM',))
-        try: m = finetune(learn, args.epochs, args.lr, cbs=[ckpt] if ckpt is not None else None)
+        try:
+            with _data_parallel(learn, device): m = finetune(learn, args.epochs, args.lr, cbs=[ckpt] if ckpt is not None else None)
         except SystemExit as e:
             if e.code != 143: raise
             print(f"{PROG}: stopped (SIGTERM), checkpoint saved in {args.out/'checkpoints'}: add --resume to continue", file=sys.stderr)
             return 143
         if ckpt is not None and ckpt.resumed_from is not None: m['resumed_from'] = str(ckpt.resumed_from)
         m['data'],m['cache'],m['augment'] = dls.source,(str(cache) if cache is not None else None),augment
+        if rank: return 0   # (one writer: rank 0 writes the results and prints the summary)
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
         export(learn, tmp/'model.pkl', cached=cache is not None)
         _check_interrupted()   # (nothing is written after a Ctrl-C, wherever it landed)
@@ -221,6 +233,42 @@ def _run(args)->int:
     finally: shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(m, dls.source, files))
     return 0
+
+# -- several processes (torchrun, accelerate launch) --------------------------------------------------------------------
+def _world()->int: return int(os.environ.get('WORLD_SIZE', '1') or 1)
+def _rank()->int: return int(os.environ.get('RANK', '0') or 0)
+
+def _join_processes(device):
+    """Join the process group the launcher describes (NCCL on GPUs, gloo on CPUs), before any data is read: this
+    process's GPU is `LOCAL_RANK`'s. Returns the device"""
+    import torch, torch.distributed as dist
+    if device.type == 'cuda':
+        device = torch.device('cuda', int(os.environ.get('LOCAL_RANK', '0')))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        import datetime
+        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', timeout=datetime.timedelta(minutes=10))
+    return device
+
+def _rank0_first(f):
+    "`f()` on rank 0, then on the others (which then find its cache and checkpoint built); one process: just `f()`"
+    if _world() == 1: return f()
+    import torch.distributed as dist
+    if _rank() == 0: res = f()
+    dist.barrier()
+    if _rank() != 0: res = f()
+    return res
+
+@contextlib.contextmanager
+def _data_parallel(learn, device):
+    """Several processes: fastai's `distrib_ctx` (DDP through Accelerate, each process its shard of the data, validation
+    gathered over the whole set), with its sample order shared over gloo on CPUs. BatchNorm as `--bn` says, per
+    process; DDP then gives every process rank 0's running statistics (docs/main_job.md)"""
+    if _world() == 1: yield; return
+    from accum_callback.distributed import gloo_distributed_dl
+    with (gloo_distributed_dl() if device.type == 'cpu' else contextlib.nullcontext()), \
+         learn.distrib_ctx(sync_bn=False, **(dict(cpu=True) if device.type == 'cpu' else {})):
+        yield
 
 def _place(src:Path, dest:Path)->Path:
     "Copy `src` to `dest` through `atomic_write`: a cut leaves the earlier `dest` or the whole new one, never a part"
