@@ -181,6 +181,6 @@ def test_ranks_resume_bitwise(tmp_path, kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', KINDS)
-@pytest.mark.parametrize('at', [2, 3, 4, 6, 7, 9, 10, 11, 13, 15])
+@pytest.mark.parametrize('at', [3, 4, 6, 7, 9, 10, 11, 13, 15, 16])   # (from 3: under FSDP2 the first checkpoint is at the first window's end)
 def test_ranks_resume_bitwise_at_ten_points(tmp_path, kind, at):
     _ranks(tmp_path, kind, at)
