@@ -19,12 +19,12 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import TrackerCallback
-from fastai.torch_core import to_device
+from fastai.torch_core import find_device, to_device
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .compat import rng_states, set_rng_states
-from .distributed import is_distributed, is_fsdp, unwrap
+from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
 from .files import atomic_write
 from .guard import CANCELS, add_fit_guard, in_inference, remove_fit_guard
 from .micro import MicroBatching
@@ -40,8 +40,11 @@ _OURS = (GradientAccumulation, MicroBatching, BatchNormAccumulation, GradientNoi
 class CheckpointError(ValueError):
     "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
 
-def _rank()->int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def _all_reduce(values:list, op=None)->list:
+    "`values` (floats) reduced over the process group (summed, or by `op`), on the device its backend needs"
+    t = torch.tensor(values, dtype=torch.float32, device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
 
 def _write(path:Path, obj):
     buf = io.BytesIO(); torch.save(obj, buf); data = buf.getvalue()
@@ -72,15 +75,14 @@ def _set_loader_rngs(dl, states:list):
     for l,s in zip(_loaders(dl), states):
         if s is not None: l.rng.setstate(s)
 
-def _device_of(b):
-    "Where the first tensor of a batch is (a loader batch: a tuple of tensors), or None"
-    if isinstance(b, torch.Tensor): return str(b.device)
-    for x in (b if isinstance(b, (tuple, list)) else ()):
-        d = _device_of(x)
-        if d is not None: return d
-    return None
-
 def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
+def _restore_recorder(rec, saved:dict):
+    "The Recorder's history and running training metrics as `Checkpoint._state` saved them"
+    for k,v in saved.items():
+        if k not in ('smooth', 'mets'): setattr(rec, k, v)
+    rec.smooth_loss.__dict__.update(saved['smooth'])
+    for m,d in zip(getattr(rec, '_train_mets', []), saved['mets']): m.__dict__.update(d)
+
 def _plain(obj)->dict:
     "A metric's running totals (numbers and tensors; not the function it calls, which may hold the Learner)"
     return {k: v for k,v in obj.__dict__.items() if isinstance(v, (int, float, bool, torch.Tensor, type(None)))}
@@ -200,9 +202,7 @@ class Checkpoint(Callback):
         if steps == self._checked_steps and not end: return due
         self._checked_steps = steps   # (one all-reduce a window, where the step has one anyway)
         timed = self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes
-        t = torch.tensor([float(self._stop is not None), float(timed)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
-        dist.all_reduce(t)
-        signalled,timed = t.tolist()
+        signalled,timed = _all_reduce([float(self._stop is not None), float(timed)])
         if signalled and self._stop is None: self._stop = signal.SIGTERM   # another rank was asked to stop: all stop
         return due or bool(signalled) or bool(timed)
 
@@ -235,7 +235,7 @@ class Checkpoint(Callback):
         mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
         bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
         dl = learn.dls.train
-        return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, 'world size': _world(),
+        return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, 'world size': process_count(),
                 'window': repr(ga.sched) + f", partial={ga.partial!r}" if ga is not None else None,
                 'micro_bs': (mb.mode if mb is not None else None),
                 'BatchNorm mode': bna.mode if bna is not None else None,
@@ -257,7 +257,7 @@ class Checkpoint(Callback):
             opt=learn.opt.state_dict() if learn.opt is not None else None,
             scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
             rngs=rng_states(), ahead=to_device(feed.ahead, 'cpu') if feed is not None and feed.ahead is not None else None,
-            ahead_device=_device_of(feed.ahead) if feed is not None else None,
+            ahead_device=find_device(feed.ahead) if feed is not None and feed.ahead is not None else None,
             loader_rngs=self._epoch_rngs if where == 'mid' else _loader_rngs(self._inner(learn.dls.train)),
             pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0),
             recorder=dict({k: getattr(rec, k) for k in ('lrs', 'iters', 'losses', 'values') if hasattr(rec, k)},
@@ -268,22 +268,20 @@ class Checkpoint(Callback):
 
     def _save(self, where:str):
         self.serial += 1
-        _write(self._file(self.serial, _rank()), self._state(where))
-        if _world() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
+        _write(self._file(self.serial, process_rank()), self._state(where))
+        if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
         self.saved.append(self.serial)
         for s in self._serials()[:-self.keep]:
-            try: self._file(s, _rank()).unlink()
+            try: self._file(s, process_rank()).unlink()
             except FileNotFoundError: pass
 
     # -- resuming -------------------------------------------------------------------------------------------------
     def _newest(self):
         "The newest checkpoint every rank can read whole (a cut or damaged one is passed over), or None"
         for s in reversed(self._serials()):
-            try: st = read_checkpoint(self._file(s, _rank())); ok = 1.
+            try: st = read_checkpoint(self._file(s, process_rank())); ok = 1.
             except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
-            if _world() > 1:
-                t = torch.tensor([ok], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
-                dist.all_reduce(t, op=dist.ReduceOp.MIN); ok = t.item()
+            if process_count() > 1: ok = _all_reduce([ok], dist.ReduceOp.MIN)[0]
             if ok: return s,st
         return None
 
@@ -291,7 +289,7 @@ class Checkpoint(Callback):
         found = self._newest()
         if found is None: return
         serial,st = found
-        self.resumed_from = self._file(serial, _rank())
+        self.resumed_from = self._file(serial, process_rank())
         sig,now = st['signature'],self.signature()
         if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
             if sig['fit'] == now['fit']: self._load(st)
@@ -331,11 +329,7 @@ class Checkpoint(Callback):
         if st['opt'] is not None and learn.opt is not None: learn.opt.load_state_dict(st['opt'])
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         if st['scaler'] is not None and mp is not None and getattr(mp, 'scaler', None) is not None: mp.scaler.load_state_dict(st['scaler'])
-        rec = learn.recorder
-        for k,v in st['recorder'].items():
-            if k not in ('smooth', 'mets'): setattr(rec, k, v)
-        rec.smooth_loss.__dict__.update(st['recorder']['smooth'])
-        for m,d in zip(getattr(rec, '_train_mets', []), st['recorder']['mets']): m.__dict__.update(d)
+        _restore_recorder(learn.recorder, st['recorder'])
         for cb in learn.cbs:
             if isinstance(cb, _OURS) and type(cb).__name__ in st['callbacks']: cb.load_state_dict(st['callbacks'][type(cb).__name__])
         for i,cb in enumerate(learn.cbs):
@@ -358,11 +352,9 @@ class Checkpoint(Callback):
         if st['ahead'] is not None: feed.first = to_device(st['ahead'], st['ahead_device'])
         set_rng_states(st['rngs'])
         self._k = st['k']
+        # (fastai's `before_train` set these for the epoch's start after `_load`: its place in the epoch again)
         learn.pct_train,learn.train_iter = st['pct_train'],st['train_iter']
-        rec = learn.recorder
-        rec.smooth_loss.__dict__.update(st['recorder']['smooth'])
-        for m,d in zip(getattr(rec, '_train_mets', []), st['recorder']['mets']): m.__dict__.update(d)
-        for k in ('lrs', 'losses'): setattr(rec, k, st['recorder'][k])
+        _restore_recorder(learn.recorder, st['recorder'])
 
     def _skip_epochs(self, first:int):
         "Epochs before `first` are done: fastai's loop runs them without a single event (instance-level, this fit only)"

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
-__all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'enter_no_sync', 'sum_over_ranks',
+__all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks',
            'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'zero_grads', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
@@ -54,6 +54,9 @@ def check_fsdp(model):
 def unwrap(model):
     "The module inside DDP / DataParallel (the model itself otherwise)"
     return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+
+def process_rank()->int: "This process's rank in the default process group (0 without one)"; return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def process_count()->int: "Processes in the default process group (1 without one)"; return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def world_size(model)->int:
     "Ranks a DDP or FSDP2 `model` averages its gradients over (1 otherwise)"

@@ -94,10 +94,6 @@ def _umask()->int:
 
 def _checksum_file(path:Path)->Path: return path.with_suffix('.crc32')
 
-def _write_durably(tmp:Path, dest:Path, text:str|None=None):
-    "fsync `tmp`, rename it to `dest`, fsync the folder (`accum_callback.files`, the checkpoints' helper too)"
-    replace_durably(tmp, dest)
-
 def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray:
     """The images `files` at `size`, memory-mapped from `folder` (built first if the folder has none for exactly these
     files and size, or if the one there is damaged: rebuilt with one warning). `name` tells this split's cache from the
@@ -129,8 +125,8 @@ def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray
         sums.write_text('\n'.join(map(str, crcs)) + '\n')
         mode = 0o666 & ~_umask()   # readable by whoever the folder is shared with (mkstemp makes 0600)
         os.chmod(tmp, mode); os.chmod(sums, mode)
-        _write_durably(sums, _checksum_file(path))
-        _write_durably(tmp, path)   # complete: only now does it have the name that is read
+        replace_durably(sums, _checksum_file(path))
+        replace_durably(tmp, path)   # complete: only now does it have the name that is read
     except OSError as e:
         raise CacheError(f"--cache {folder}: cannot write the decoded images ({e.strerror or e}): free space there, give "
                          "another folder, or --cache off") from None

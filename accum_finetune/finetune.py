@@ -14,6 +14,7 @@ from fastai.torch_core import find_bs, set_seed
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
 from accum_callback.micro import micro_batching, n_pieces
+from accum_callback.distributed import process_count
 from .models import ArchError, DEFAULT_ARCH, create_model, has_batchnorm, load_weights
 
 __all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn', 'auto_precise',
@@ -144,8 +145,8 @@ def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True
     accs = [float(v[2]) for v in rec.values]
     bs,mb = dls.train.bs,micro_batching(learn)
     return dict(accuracy=accs[-1], valid_loss=float(rec.values[-1][1]), accuracy_per_epoch=accs,
-                micro_bs=(mb.size if mb is not None else None) or bs, loader_bs=bs, effective_bs=bs*job['n_step']*_world(),
-                n_step=job['n_step'], processes=_world(),
+                micro_bs=(mb.size if mb is not None else None) or bs, loader_bs=bs, effective_bs=bs*job['n_step']*process_count(),
+                n_step=job['n_step'], processes=process_count(),
                 micro_bs_mode='auto' if mb is not None and mb.auto else 'fixed',
                 micro_bs_trials={str(k): round(v, 1) for k,v in (mb.trials if mb is not None else {}).items()}, bn=job['bn'],
                 bn_precise=_precise_items(learn, job['bn_precise']), bn_requested=job['bn_requested'],
@@ -153,13 +154,8 @@ def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True
                 weights=job['weights'], pretrained=job['pretrained'],
                 n_train=len(dls.train.dataset), n_valid=len(dls.valid.dataset), train_seconds=round(secs, 1),
                 device=describe_device(next(learn.model.parameters()).device), precision=job['precision'],
-                images_per_s=round(tp.images_per_s*_world(), 1), peak_memory_mib=round(tp.peak_memory_mib, 1),
+                images_per_s=round(tp.images_per_s*process_count(), 1), peak_memory_mib=round(tp.peak_memory_mib, 1),
                 classes=[str(c) for c in getattr(dls, 'vocab', [])])
-
-def _world()->int:
-    "Processes training together (a process group's size; 1 without one)"
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def _precise_items(learn, asked):
     "The items the running statistics were last recomputed from (all of a training set smaller than `asked`), or None"
