@@ -228,6 +228,17 @@ class GradientAccumulation(Callback):
         w.pending = n
         if not w.summed: learn.loss_grad = learn.loss_grad * w.loss_weight(n)
 
+    def _scale_lr(self):
+        """A window schedule that scales the step's learning rate with the window (`NoiseScaleSchedule(lr=...)`): the
+        window's learning rate times its `lr_gain` for the window's size in the schedule's unit, the same on every rank
+        (under DDP its micro-batches times the loader's batch size, as the window closed)"""
+        gain,w = getattr(getattr(self.sched, 'fn', None), 'lr_gain', None),self.window
+        if gain is None or not w.hypers: return
+        if self.n_step_sched is not None: size = w.n_units if self.mb is not None else w.n_micro
+        else: size = w.n_micro*self.learn.dls.train.bs if is_distributed(self.learn.model) else w.n_samples
+        g = gain(size, self.learn.opt)
+        if g != 1.: w.hypers = [{**h, 'lr': h['lr']*g} if 'lr' in h else h for h in w.hypers]
+
     # Another callback cancelled the backward (before or after our `before_backward`): nothing of it counts
     def after_cancel_backward(self): self.window.pending = None
 
@@ -254,6 +265,7 @@ class GradientAccumulation(Callback):
         scale = w.step_scale(items, world)
         grads = [p.grad for p,*_ in opt.all_params(with_grad=True)]
         if grads and scale != 1.: foreach('mul_')(grads, scale)
+        self._scale_lr()
         w.use_hypers(opt)
         w.stepping(items, loss_sum)
 

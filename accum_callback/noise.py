@@ -34,6 +34,8 @@ from .precise import rngs_kept
 from .replay import Replay, training_model
 from .schedule import flag, whole_number
 
+LR_RULES = (None, 'linear', 'sqrt', 'auto')
+
 __all__ = ['GradientNoiseScale', 'NoiseScaleSchedule', 'NoiseScaleReport', 'noise_estimates']
 
 def noise_estimates(g_small2, g_big2, b, B)->tuple:
@@ -93,12 +95,16 @@ class GradientNoiseScale(Callback):
         v = self.log[k]
         return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v]).tolist() if v else []
 
-    def schedule(self, fraction:float=1., lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int|None=None)->NoiseScaleSchedule:
-        """A window size that follows the measured noise scale: `GradientAccumulation(target_bs=noise.schedule(...))`,
-        from `lo` (default: two of the training loader's batches, the smallest window that is measured) until `warmup`
-        windows are measured (default: the moving average's span, `1/(1-beta)`)"""
+    def schedule(self, fraction:float=0.5, lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int|None=None,
+                 lr:str|None='auto', growth:int|None=8)->NoiseScaleSchedule:
+        """A window size that follows the measured noise scale: `GradientAccumulation(target_bs=noise.schedule(...))`:
+        `fraction` of B_simple, from `lo` (default: two of the training loader's batches, the smallest window that is
+        measured) until `warmup` windows are measured (default: the moving average's span, `1/(1-beta)`), at most `hi`
+        (default: `growth` times `lo`), each step's learning rate scaled with its window against `lo` (`lr`: 'auto',
+        linear for SGD and the square root for Adam-like optimisers; 'linear', 'sqrt', or None to keep it). The defaults
+        are bench/noise_study.py's choice (docs/noise_scale.md): keep your learning-rate decay beside it"""
         if warmup is None: warmup = round(1/(1-self.beta))
-        s = NoiseScaleSchedule(self, fraction, lo, hi, unit, warmup)
+        s = NoiseScaleSchedule(self, fraction, lo, hi, unit, warmup, lr, growth)
         self.schedules.append(s)
         return s
 
@@ -216,10 +222,12 @@ class NoiseScaleSchedule:
     """A window size from the measured noise scale, for `GradientAccumulation(target_bs=...)` (`unit='items'`) or
     `n_step=...` (`unit='micro_batches'`, the items divided by the loader's batch size, rounded up): `fraction` times
     B_simple, never smaller than the largest it has given (it only grows), within `[lo, hi]`; `lo` until the first
-    measurement and until `warmup` windows are measured (a noisy first estimate would otherwise ratchet the window up).
+    measurement and until `warmup` windows are measured (a noisy first estimate would otherwise ratchet the window up);
+    `hi` left out is `growth` times `lo` (None: no cap); `lr` scales each step's learning rate with its window (`lr_gain`).
     `GradientAccumulation` asks at each window's start, so every step stays the exact mean of its window, and the value
     depends on the measurements alone (under DDP the same on every rank)."""
-    def __init__(self, source, fraction:float=1., lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int=0):
+    def __init__(self, source, fraction:float=1., lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int=0,
+                 lr:str|None=None, growth:int|None=None):
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (fraction > 0 and math.isfinite(fraction)):
             raise ValueError(f"`fraction` must be a finite number > 0, got {fraction!r}")
         if lo is not None: lo = whole_number(lo, 'lo')
@@ -227,6 +235,8 @@ class NoiseScaleSchedule:
         if hi is not None: whole_number(hi, 'hi')
         if unit not in ('items', 'micro_batches'): raise ValueError(f"`unit` must be 'items' or 'micro_batches', got {unit!r}")
         self.warmup = whole_number(warmup, 'warmup', lo=0)
+        if lr not in LR_RULES: raise ValueError(f"`lr` must be one of {', '.join(map(repr, LR_RULES))}, got {lr!r}")
+        self.lr,self.growth = lr,(None if growth is None else whole_number(growth, 'growth'))
         self.source,self.fraction,self.lo,self.hi,self.unit,self.value = source,float(fraction),lo,hi,unit,lo
         self.history = []   # (optimizer step, value) each time it changed
 
@@ -243,22 +253,39 @@ class NoiseScaleSchedule:
         bs = getattr(getattr(getattr(learn, 'dls', None), 'train', None), 'bs', None) if learn is not None else None
         return 1 if self.unit == 'items' else max(1, int(bs or 1))
 
+    def resolve_hi(self)->int|None:
+        "`hi`, or left out: `growth` times `lo` (None: no cap)"
+        if self.hi is not None: return self.hi
+        return None if self.growth is None else self.growth*self.resolve_lo()
+
     def __call__(self, pct:float=0., epoch:int=0)->int:
-        lo = self.resolve_lo()
-        if self.hi is not None: lo = min(lo, self.hi)
+        lo,hi = self.resolve_lo(),self.resolve_hi()
+        if hi is not None: lo = min(lo, hi)
         if self.value is None or self.value < lo:
             if getattr(self.source, 'learn', None) is None: return lo   # (checked before any Learner: `lo` not known yet)
             self.value = lo
         b = self.source.b_simple
         if math.isfinite(b) and getattr(self.source, 'n_measured', math.inf) >= self.warmup:
             v = max(lo, math.ceil(self.fraction*b/self.items_per_unit()))
-            if self.hi is not None: v = min(v, self.hi)
+            if hi is not None: v = min(v, hi)
             if v > self.value:
                 self.value = v
                 self.history.append((getattr(getattr(self.source, 'ga', None), 'steps', 0), v))
         return self.value
 
-    def __repr__(self): return f"NoiseScaleSchedule(fraction={self.fraction}, lo={self.lo}, hi={self.hi}, unit={self.unit!r})"
+    def lr_gain(self, size:int, opt=None)->float:
+        """How much a window of `size` (this schedule's unit: its items, or its micro-batches) multiplies the step's learning rate: 1 with `lr=None`, else
+        `size/lo` ('linear') or its square root ('sqrt'; 'auto' picks the square root for an optimizer with a second
+        moment, `sqr_mom`, as Adam's, linear otherwise). `GradientAccumulation` applies it to the window's step"""
+        if self.lr is None or not size: return 1.
+        k = size/max(self.resolve_lo(), 1)   # (`lo` of `unit`, as `size` is)
+        rule = self.lr
+        if rule == 'auto': rule = 'sqrt' if opt is not None and any('sqr_mom' in h for h in opt.hypers) else 'linear'
+        return k if rule == 'linear' else math.sqrt(k)
+
+    def __repr__(self):
+        return (f"NoiseScaleSchedule(fraction={self.fraction}, lo={self.lo}, hi={self.hi}, unit={self.unit!r}"
+                + (f", lr={self.lr!r}" if self.lr else '') + (f", growth={self.growth}" if self.growth else '') + ")")
 
 # -- learn.noise_scale(): one measurement before training ---------------------------------------------------------------
 @dataclass
@@ -281,16 +308,24 @@ class NoiseScaleReport:
     per_window: list = field(default_factory=list)
     reason: str = ''
     n_skipped: int = 0
+    items_read: int = 0
+    set_items: int = 0
+    what: str = 'windows'   # what `n_windows` counts: windows, or the pooled measurement's groups of micro-batches
 
     def __str__(self):
         lo,hi = self.interval
         skipped = f", {self.n_skipped} non-finite left out" if self.n_skipped else ''
+        read = f"{self.items_read} items, {self.items_read/self.set_items:.2g} of the training set" if self.set_items else ''
+        if self.set_items and self.items_read > self.set_items: read += " (more than it holds: windows repeat samples)"
         suggested = (f"target_bs={self.target_bs} (n_step={self.n_step} micro-batches of the loader's batch)"
                      if self.target_bs is not None else f"nothing: {self.reason}")
         return '\n'.join(['noise_scale', '-'*72,
-            f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} windows{skipped})",
+            (f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} {self.what}{skipped})"
+             if math.isfinite(self.b_simple) else
+             f"B_simple          not estimated ({self.n_windows} {self.what}{skipped})" + (f": above {lo:.3g} items at 95%" if lo > 0 else '')),
             f"|G|^2, tr(S)      {self.g2:.3g}, {self.trace:.3g}",
-            f"measured with     micro-batches of {self.b:.3g} items in windows of {self.B:.3g}",
+            f"measured with     micro-batches of {self.b:.3g} items " + (f"in windows of {self.B:.3g}" if self.what == 'windows' else 'pooled')
+            + (f"; read {read}" if read else ''),
             f"suggested         {suggested}"])
     __repr__ = __str__
 
@@ -301,22 +336,28 @@ def _ratio(g2, tr)->float:
 
 @patch
 def noise_scale(self:Learner,
-    n_windows:int=16, # windows to measure over (each a training window's compute, no step)
-    n_step:int|None=None, # micro-batches a window (default: the Learner's GradientAccumulation window, at least 8)
+    n_windows:int|None=None, # windows to measure (each a training window's compute, no step); None: as many as `max_items` allows, fewer once the interval is narrow
+    n_step:int|None=None, # micro-batches a window (default: 8, fewer where `max_items` would hold under 8 windows; at least 2)
     seed:int=0, # which shuffled windows of the training loader
     quiet:bool=True, # BatchNorm normalising with its running statistics and dropout off: only the data's noise is measured
+    max_items:int|None=None, # items to read at most with `n_windows=None` (default: a quarter of the training set, at least 4 windows of 2 micro-batches)
+    rel_width:float=1.5, # with `n_windows=None`: stop once the 95% interval's high end is within this factor of its low end
 )->NoiseScaleReport:
-    """Measure the gradient noise scale B_simple at the current weights over `n_windows` windows of the training loader
-    (shuffled, with `seed`), on a copy of the model: no step, and the Learner's weights, optimizer, RNG states and
-    BatchNorm statistics are left as they were. `quiet` (the default): BatchNorm layers normalise with their running
-    statistics (training couples a micro-batch's samples through its statistics, which biases the estimate) and dropout
-    is off (its noise is not the data's); `quiet=False` measures the model as it trains. Returns the estimate with a 95%
-    interval and the `target_bs`/`n_step` that accumulate an effective batch of B_simple, or none, with the reason, where
-    it cannot be estimated"""
-    n_windows = whole_number(n_windows, 'n_windows', lo=2)
+    """Measure the gradient noise scale B_simple at the current weights over windows of the training loader (shuffled,
+    with `seed`), on a copy of the model: no step, and the Learner's weights, optimizer, RNG states and BatchNorm
+    statistics are left as they were. `quiet` (the default): BatchNorm layers normalise with their running statistics
+    (training couples a micro-batch's samples through its statistics, which biases the estimate) and dropout is off (its
+    noise is not the data's); `quiet=False` measures the model as it trains. By default it reads at most a quarter of the
+    training set (`max_items`) and stops earlier once the 95% interval is narrow (`rel_width`); `n_windows` measures that
+    many, and the report says when they read more items than the set holds. Returns the estimate with its interval and
+    the `target_bs`/`n_step` that accumulate an effective batch of B_simple, or none, with the reason, where it cannot
+    be estimated"""
     ga = next((cb for cb in self.cbs if isinstance(cb, GradientAccumulation)), None)
-    if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)   # B - b large: a steadier |G|^2
-    n_step = whole_number(n_step, 'n_step', lo=2)
+    if n_windows is not None: n_windows = whole_number(n_windows, 'n_windows', lo=2)
+    if max_items is not None: max_items = whole_number(max_items, 'max_items', lo=1)
+    if isinstance(rel_width, bool) or not isinstance(rel_width, (int, float)) or not rel_width > 1:
+        raise ValueError(f"`rel_width` must be a number > 1 (the interval's high end over its low end), got {rel_width!r}")
+    if n_step is not None: n_step = whole_number(n_step, 'n_step', lo=2)
     if is_fsdp(self.model): raise ValueError("noise_scale: the model is sharded with FSDP2; measure before sharding it")
     with rngs_kept():
         size = micro_size(self)
@@ -325,16 +366,128 @@ def noise_scale(self:Learner,
         if per_epoch < 1:
             raise ValueError(f"noise_scale: the training loader gives no full batch of {getattr(dl, 'bs', '?')} items "
                              f"(the training set holds {getattr(dl, 'n', '?')}): nothing to measure; use a smaller batch size")
-        stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
+        piece = size or getattr(dl, 'bs', None) or 1
+        set_items = getattr(dl, 'n', None) or per_epoch*piece
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
         model = training_model(self, bna)
-        r,per = None,[]
-        for _ in range(n_windows):   # one window in memory at a time
-            bs,where = zip(*[next(stream) for _ in range(n_step)])
-            if r is None: r = Replay(self, list(bs), model, ga, bna, list(where), dl)
-            else: r.load(list(bs), list(where))
-            per.append(_window_norms(r, list(range(n_step)), quiet=flag(quiet, 'quiet')))
-    return _report(per, n_windows, seed, getattr(self.dls.train, 'bs', None))
+        if n_windows is None:   # a budget of items, pooled: every pair of micro-batches measures |G|^2
+            budget = max_items if max_items is not None else set_items//4
+            n_micro = max(8, budget//piece)
+            n_step = n_step or max(1, math.ceil(n_micro/8))   # micro-batches a group: up to 8 groups to resample
+            stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_micro//max(per_epoch, 1)))
+            pool = _Pooled(self, model, ga, bna, dl, quiet=flag(quiet, 'quiet'))
+            while pool.n_micro + n_step <= max(n_micro, 2*n_step):
+                pool.add_group([next(stream) for _ in range(n_step)])
+                if len(pool.groups) >= 4 and pool.narrow(seed, rel_width): break
+            rep = pool.report(seed, getattr(self.dls.train, 'bs', None))
+        else:
+            if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)   # B - b large: a steadier |G|^2
+            stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
+            r,per = None,[]
+            for i in range(n_windows):   # one window in memory at a time
+                bs,where = zip(*[next(stream) for _ in range(n_step)])
+                if r is None: r = Replay(self, list(bs), model, ga, bna, list(where), dl)
+                else: r.load(list(bs), list(where))
+                per.append(_window_norms(r, list(range(n_step)), quiet=flag(quiet, 'quiet')))
+            rep = _report(per, len(per), seed, getattr(self.dls.train, 'bs', None))
+            rep.items_read = int(round(sum(p['B'] for p in per)))
+    rep.set_items = int(set_items)
+    return rep
+
+class _Pooled:
+    """Every micro-batch read, pooled (the default of `learn.noise_scale()`): micro-batch i's summed gradient s_i over n_i
+    items has E<s_i, s_l> = n_i n_l |G|^2 for i != l and E|s_i|^2 = n_i^2 |G|^2 + n_i tr(S), so with N = sum n_i,
+    Q = sum n_i^2, A = sum |s_i|^2 and T = sum s_i:
+
+        |G|^2 ~ (|T|^2 - A) / (N^2 - Q)        tr(S) ~ (A - Q |G|^2) / N
+
+    (the window estimator's, over one window of everything read: every pair of micro-batches measures the mean gradient).
+    The micro-batches are read in groups; the groups' summed gradients (one flat copy each) and their inner products are
+    kept, so the bootstrap resamples groups with the pairs inside a group counted once, and a group never pairs with itself"""
+    def __init__(self, learn, model, ga, bna, dl, quiet:bool):
+        self.learn,self.model,self.ga,self.bna,self.dl,self.quiet = learn,model,ga,bna,dl,quiet
+        self.r,self.groups,self.n_micro,self.b = None,[],0,[]
+        self.vecs,self.gram = [],[]   # each group's summed gradient (flat, float32), and <S_j, S_k> for k <= j
+
+    def add_group(self, pieces:list):
+        bs,where = zip(*pieces)
+        if self.r is None: self.r = Replay(self.learn, list(bs), self.model, self.ga, self.bna, list(where), self.dl)
+        else: self.r.load(list(bs), list(where))
+        r = self.r
+        m = r.fresh(); r.modes(m, not self.quiet, not self.quiet)
+        ps = [p for p in m.parameters() if p.requires_grad]
+        S,N,Q,A = None,0.,0.,0.
+        for xb,yb in r.pieces(m, list(range(len(pieces)))):
+            for p in ps: p.grad = None
+            pred,loss = r.forward(m, xb, yb)
+            n = r.count(xb, yb, pred, loss)
+            w = Window(); w.begin(n, loss_reduction(r.learn.loss_func) == 'sum')
+            (loss*w.loss_weight(n)).backward()
+            g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in ps])
+            s = g*float(w.mean_factor(n)*n)   # the micro-batch's summed gradient
+            A += float(torch.dot(s, s)); N += n; Q += n*n
+            S = s if S is None else S.add_(s)
+            self.b.append(n)
+        self.gram.append([float(torch.dot(S, v)) for v in self.vecs] + [float(torch.dot(S, S))])
+        self.vecs.append(S)
+        self.groups.append((N, Q, A))
+        self.n_micro += len(pieces)
+
+    def estimates(self, c)->tuple:
+        "|G|^2 and tr(S) of the groups weighted by `c` (how often each is drawn; ones: the estimate itself)"
+        g = len(self.groups)
+        N,Q,A = (np.array([x[i] for x in self.groups]) for i in range(3))
+        M = np.zeros((g, g))
+        for j,row in enumerate(self.gram): M[j, :j+1] = row; M[:j+1, j] = row
+        within_pairs = np.diag(M) - A   # sum over i != l inside a group of <s_i, s_l>
+        cross = c @ M @ c - (c*c) @ np.diag(M)
+        num = cross + c @ within_pairs
+        den = (c @ N)**2 - (c*c) @ (N*N) + c @ (N*N - Q)
+        with np.errstate(divide='ignore', invalid='ignore'):   # (a resample of one group has no pair across groups)
+            g2 = num/den
+            return g2,(c @ A - (c @ Q)*g2)/(c @ N)
+
+    def interval(self, seed:int, n_boot:int=1000)->tuple:
+        g = len(self.groups)
+        rng = np.random.default_rng(seed)
+        boots = sorted((_ratio_of(*self.estimates(np.bincount(rng.integers(0, g, g), minlength=g).astype(float)))
+                        for _ in range(n_boot)), key=lambda v: (math.isnan(v), v))
+        return boots[int(0.025*n_boot)],boots[int(0.975*n_boot)-1]
+
+    def narrow(self, seed:int, rel_width:float)->bool:
+        lo,hi = self.interval(seed, 200)
+        return 0 < lo and math.isfinite(hi) and hi <= rel_width*lo
+
+    def report(self, seed:int, bs)->NoiseScaleReport:
+        g = len(self.groups)
+        g2,tr = self.estimates(np.ones(g))
+        N = sum(x[0] for x in self.groups)
+        b = 1/float(np.mean([1/n for n in self.b]))
+        per = [dict(zip(('items', 'sq_items', 'sq_norms'), x)) for x in self.groups]
+        if not (math.isfinite(g2) and math.isfinite(tr)):
+            return NoiseScaleReport(b_simple=math.nan, interval=(math.nan, math.nan), g2=math.nan, trace=math.nan, b=b, B=N,
+                                    n_windows=g, target_bs=None, n_step=None, per_window=per, items_read=int(round(N)),
+                                    reason="a loss or gradient was not finite")
+        rep = _suggest(_ratio_of(g2, tr), self.interval(seed), g2, tr, b, N, g, bs, per, 0, f"{g} groups of {N/g:.3g} items")
+        rep.items_read,rep.what = int(round(N)),'groups, pooled'
+        return rep
+
+def _narrow(per:list, seed:int, rel_width:float)->bool:
+    "The 95% interval of the windows so far is finite, positive and within `rel_width` (a quick bootstrap)"
+    lo,hi = _interval([p['g2'] for p in per], [p['trace'] for p in per], seed, 200)
+    return 0 < lo and math.isfinite(hi) and hi <= rel_width*lo
+
+def _interval(g2, tr, seed:int, n_boot:int=1000)->tuple:
+    "The bootstrap's 95% interval of the ratio of the windows' mean estimates (nan-free resamples first)"
+    g2,tr = np.asarray(g2, dtype=float),np.asarray(tr, dtype=float)
+    ok = np.isfinite(g2) & np.isfinite(tr)
+    g2,tr = g2[ok],tr[ok]
+    n = len(g2)
+    if n < 2: return math.nan,math.nan
+    rng = np.random.default_rng(seed)
+    boots = sorted((_ratio(g2[i], tr[i]) for i in (rng.integers(0, n, n) for _ in range(n_boot))),
+                   key=lambda v: (math.isnan(v), v))   # (a resample with no noise measured sorts last)
+    return boots[int(0.025*n_boot)],boots[int(0.975*n_boot)-1]
 
 def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
     "The estimate over the finite windows of `per`, its bootstrap interval, and a suggestion only where one can be defended"
@@ -347,22 +500,21 @@ def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
                                 n_windows=len(ok), target_bs=None, n_step=None, per_window=per, n_skipped=n_skipped,
                                 reason=f"{n_skipped} of {len(per)} windows gave a non-finite loss or gradient, fewer than 2 are left")
     g2 = np.array([p['g2'] for p in ok]); tr = np.array([p['trace'] for p in ok])
-    est = _ratio(g2, tr)
-    rng = np.random.default_rng(seed)
-    n = len(ok)
-    boots = sorted((_ratio(g2[i], tr[i]) for i in (rng.integers(0, n, n) for _ in range(1000))),
-                   key=lambda v: (math.isnan(v), v))   # (a resample with no noise measured sorts last)
-    interval = (boots[25], boots[974])
+    return _suggest(_ratio(g2, tr), _interval(g2, tr, seed), float(g2.mean()), float(tr.mean()), b, B, len(ok), bs, per,
+                    n_skipped, f"{len(ok)} windows of {B:.3g} items")
+
+def _suggest(est, interval, g2, tr, b, B, n, bs, per, n_skipped, what:str)->NoiseScaleReport:
+    "The report, with a suggestion only where the interval defends one, else the reason in words"
     target,reason = None,''
     if math.isfinite(est) and est > 0 and math.isfinite(interval[1]): target = max(1, round(est))
-    elif not float(np.mean(tr)) > 0: reason = "no gradient noise was measured (tr(S) <= 0): the windows' gradients agree"
-    else:   # |G|^2 <= 0, or resamples of the windows where it is: the mean gradient is not told from the noise
-        reason = (f"the mean gradient is lost in the noise (|G|^2 {float(np.mean(g2)):.3g} over {n} windows of {B:.3g} "
-                  f"items, not above 0 at 95%): B_simple is above {interval[0]:.3g} items; more or larger windows tell more")
+    elif not tr > 0: reason = "no gradient noise was measured (tr(S) <= 0): the gradients agree"
+    else:   # |G|^2 <= 0, or resamples where it is: the mean gradient is not told from the noise
+        reason = (f"the mean gradient is lost in the noise (|G|^2 {g2:.3g} over {what}, not above 0 at 95%): "
+                  f"B_simple is above {interval[0]:.3g} items; more items (`max_items`) tell more")
     per_unit = bs or b
-    return NoiseScaleReport(b_simple=est, interval=interval, g2=float(g2.mean()), trace=float(tr.mean()), b=b, B=B,
-                            n_windows=n, target_bs=target, n_step=None if target is None else max(1, math.ceil(target/per_unit)),
-                            per_window=per, reason=reason, n_skipped=n_skipped)
+    return NoiseScaleReport(b_simple=est, interval=interval, g2=g2, trace=tr, b=b, B=B, n_windows=n, target_bs=target,
+                            n_step=None if target is None else max(1, math.ceil(target/per_unit)), per_window=per,
+                            reason=reason, n_skipped=n_skipped)
 
 def _window_norms(r:Replay, idxs:list, quiet:bool=False)->dict:
     """One window of the replayed copy, micro-batch by micro-batch as training runs it and by the window's rule (`quiet`:

@@ -58,6 +58,8 @@ def _bench(name:str):
 
 def bn_precise_table()->str: "bench/bn_precise_study.py's table of the recorded runs"; return _bench('bn_precise_study').table() + '\n'
 
+def noise_study_table()->str: "bench/noise_study.py's table of the recorded runs"; return _bench('noise_study').table() + '\n'
+
 def bn_study_table()->str:
     "notebook 02's study (docs/study_results.csv): accuracy per configuration and mode, gap to the large batch, `auto`'s pick"
     import pandas as pd
@@ -73,7 +75,7 @@ def bn_study_table()->str:
     return '\n'.join(rows) + '\n'
 
 PRODUCERS = dict(quickstart_check=quickstart_check, job_check=job_check, bn_precise_table=bn_precise_table,
-                 bn_study_table=bn_study_table)
+                 bn_study_table=bn_study_table, noise_study_table=noise_study_table)
 
 # -- the blocks -----------------------------------------------------------------------------------------------------------
 def blocks()->list:
