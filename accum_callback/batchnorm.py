@@ -392,6 +392,7 @@ class Renorm(_Convert):
 
 MODES = dict(pool=Pool, momentum=Momentum, freeze=Freeze, groupnorm=GroupNorm, renorm=Renorm)
 assert tuple(MODES) == BN_MODES
+PRECISE_AT = ('epoch', 'end')   # when `precise` recomputes the statistics
 
 # -- the callback -----------------------------------------------------------------------------------------------------
 @one_per_learner("(Each would convert, freeze or pool the same layers.)")
@@ -407,7 +408,9 @@ class BatchNormAccumulation(Callback):
     'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit.
     `precise=N` (any mode but 'freeze'): at the end of every training epoch (before validation, so at the end of fit too)
     every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
-    exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md)."""
+    exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md).
+    `precise_at='end'`: at the last epoch's end only (and at the end of a fit cancelled before it), for a fraction of
+    the cost where only the final model's statistics matter; earlier validations read the running statistics."""
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
 
     def __init__(self,
@@ -417,12 +420,14 @@ class BatchNormAccumulation(Callback):
         num_groups:int=32, # 'groupnorm': most groups per layer
         r_max:float=3., d_max:float=5., warmup:int=0, ramp:int=5000, # 'renorm': see `BatchRenorm`
         precise:int|None=None, # at the end of each training epoch, recompute the running statistics from this many training items with the current weights (`update_bn_stats`)
+        precise_at:str='epoch', # when: 'epoch' (every epoch's end, before its validation) or 'end' (the last epoch's only: earlier validations read the running statistics)
     ):
         if not isinstance(mode, str) or mode not in BN_MODES: raise ValueError(f"`mode` must be one of {BN_MODES}, got {mode!r}")
         if precise is not None:
             whole_number(precise, 'precise')
             if mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and precise "
                                                   "statistics would replace them: give one or the other")
+        if precise_at not in PRECISE_AT: raise ValueError(f"`precise_at` must be one of {PRECISE_AT}, got {precise_at!r}")
         if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
         whole_number(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
         store_attr()
@@ -523,7 +528,8 @@ class BatchNormAccumulation(Callback):
         self._recomputed = False
         if self.active is not None: self.active.before_train()
     def after_train(self):
-        if self.precise: self._recompute()   # before validation: the epoch's model is validated with its own statistics
+        # before validation: the epoch's model is validated with its own statistics ('end': the last epoch's only)
+        if self.precise and (self.precise_at == 'epoch' or self.learn.epoch >= self.learn.n_epoch-1): self._recompute()
     def before_batch(self):
         if self.active is not None: self.active.before_batch()
     def before_backward(self):

@@ -77,7 +77,7 @@ class GradientNoiseScale(Callback):
 
     def _reset(self):
         self.log = dict(g_small2=[], g_big2=[], b=[], B=[], g2=[], trace=[], g2_ema=[], trace_ema=[], step=[])
-        self._ema,self._n,self._first,self._steps = None,0,None,0
+        self._ema,self._n,self._first,self._steps,self._host = None,0,None,0,None
 
     # -- results --------------------------------------------------------------------------------------------------
     @property
@@ -85,6 +85,7 @@ class GradientNoiseScale(Callback):
         """The latest B_simple (ratio of the moving averages of tr(S) and |G|^2): nan before the first measured window
         or while no noise is measured (tr(S) <= 0), inf while the mean gradient is lost in the noise (|G|^2 <= 0)"""
         if self._ema is None: return math.nan
+        if self._host is not None and self._host[0] == self._n: return self._host[1]   # (read back at the last step)
         return _ratio_of(*self._ema.tolist())
     @property
     def b_simple_history(self)->list:
@@ -193,6 +194,9 @@ class GradientNoiseScale(Callback):
         self._ema_raw = torch.where(ok, self.beta*self._ema_raw + (1-self.beta)*est, self._ema_raw)
         self._ema = self._ema_raw/(1 - self.beta**self._n) if self.beta else self._ema_raw
         for k,v in zip(self.log, (g_small2, g_big2, b, B, g2, tr, self._ema[0], self._ema[1], self.ga.steps)): self.log[k].append(v)
+        # a schedule reads B_simple at the next window's start: read it back here, in the step's micro-batch (which
+        # synchronised for the window's counts already), not in a micro-batch that does not step
+        if self.schedules: self._host = (self._n, _ratio_of(*self._ema.tolist()))
 
     def state_dict(self)->dict:
         "The averages, the logs and each schedule's window size (a checkpoint between micro-batches)"
@@ -200,6 +204,7 @@ class GradientNoiseScale(Callback):
                     schedules=[(s.value, list(s.history)) for s in self.schedules])
     def load_state_dict(self, sd:dict):
         self._ema_raw,self._ema,self._n,self.log,self._first = sd['ema_raw'],sd['ema'],sd['n'],sd['log'],sd['first']
+        self._host = None
         for s,(v,h) in zip(self.schedules, sd['schedules']): s.value,s.history = v,h
 
     def _sum_over_ranks(self, t:torch.Tensor)->torch.Tensor:

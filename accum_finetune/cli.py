@@ -51,7 +51,7 @@ def make_parser(prog:str=PROG)->argparse.ArgumentParser:
     g.add_argument('--n-step', type=int, default=None, help='loader batches per optimizer step (instead of --effective-bs)')
     a('--bn', default='auto', choices=_BN, metavar='MODE', help=f"BatchNorm mode: {', '.join(_BN)} (default: auto)")
     a('--bn-precise', default='auto', metavar='N|auto', help="recompute the BatchNorm running statistics from N training "
-      "items with the epoch's final weights at the end of every epoch (0: never; default auto: 512 when --bn auto picks pool)")
+      "items with the final weights before the last validation (0: never; default auto: 512 when --bn auto picks pool)")
     a('--epochs', type=int, default=3, help='default: 3')
     a('--lr', type=float, default=3e-3, help='peak one-cycle learning rate (default: 3e-3)')
     a('--seed', type=int, default=0, help='default: 0')

@@ -65,7 +65,7 @@ def precision_callbacks(precision:str)->list:
 # bench/bn_precise_study.py (docs/bn_precise_digits.csv, docs/bn_precise_scratch.csv); the figures in docs/batchnorm.md
 AUTO_FULL_BS = 16   # micro-batches at least this large: plain BatchNorm statistics are as good as the large batch's
 AUTO_GROUPNORM_BELOW = 8   # from scratch, micro-batches smaller than this train with GroupNorm
-PRECISE_ITEMS = 512   # `--bn auto`'s 'pool' recomputes the running statistics from this many items at each epoch's end
+PRECISE_ITEMS = 512   # `--bn auto`'s 'pool' recomputes the running statistics from this many items at the last epoch's end
 
 def auto_bn(micro_bs:int, n_step:int, pretrained:bool, has_bn:bool=True)->str:
     "The `--bn auto` choice, by micro-batch size and whether the network starts from pretrained weights"
@@ -80,7 +80,7 @@ def auto_bn(micro_bs:int, n_step:int, pretrained:bool, has_bn:bool=True)->str:
 
 def auto_precise(mode:str)->int|None:
     """`--bn-precise auto`: with 'pool', the running statistics recomputed from `PRECISE_ITEMS` training items at the end
-    of every epoch (a short run's big-batch statistics lag its weights: 0.58 -> 0.87 after one epoch on the digits)"""
+    of the last epoch (a short run's big-batch statistics lag its weights: 0.58 -> 0.87 after one epoch on the digits)"""
     return PRECISE_ITEMS if mode == 'pool' else None
 
 # -- learner --------------------------------------------------------------------------------------------------------
@@ -105,13 +105,14 @@ class Throughput(Callback):
 
 def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
                   precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=(),
-                  bn_precise:int|str|None='auto')->Learner:
+                  bn_precise:int|str|None='auto', precise_at:str='end')->Learner:
     """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step=n_step, micro_bs=micro_bs)`,
     the BatchNorm callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed`
     (the loaders' shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`, or `micro_bs`
     items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found).
-    `bn_precise`: training items the running statistics are recomputed from at each epoch's end (`BatchNormAccumulation
-    (precise=N)`); 'auto': `auto_precise` of the mode `bn='auto'` chose, none for a mode given; None or 0: none."""
+    `bn_precise`: training items the running statistics are recomputed from (`BatchNormAccumulation(precise=N)`) at
+    the last epoch's end (`precise_at='end'`, before the final validation) or every epoch's ('epoch'); 'auto':
+    `auto_precise` of the mode `bn='auto'` chose, none for a mode given; None or 0: none."""
     if bn not in JOB_BN_MODES: raise ValueError(f"`bn` must be one of {JOB_BN_MODES}, got {bn!r}")
     set_seed(seed, reproducible=True)
     # fastai loaders draw their shuffling seed from Python's `random` when they are built, before this call: reseed
@@ -127,7 +128,7 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
         raise ValueError(f"`bn_precise`: recomputed statistics need BatchNormAccumulation, and bn={mode!r} "
                          + ("has none" if mode == 'none' else "keeps the statistics frozen") + ": give another `bn`, or no `bn_precise`")
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
-                    cbs=[GradientAccumulation(n_step=n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode, precise=precise)] if mode != 'none' else [])
+                    cbs=[GradientAccumulation(n_step=n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode, precise=precise, precise_at=precise_at)] if mode != 'none' else [])
                         + precision_callbacks(precision) + [Throughput()] + list(cbs))
     learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode, bn_precise=precise,
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)

@@ -418,3 +418,45 @@ def test_a_setting_that_accumulates_nothing_says_so(kw, match):
     with pytest.warns(UserWarning, match=match) as w: fit_quiet(learn, 1)
     assert sum('GradientAccumulation' in str(x.message) for x in w) == 1
     assert learn.gradient_accumulation.steps == 8   # every loader batch its own step
+
+HOST_SYNCS = ('item', 'tolist', 'cpu', 'numpy', '__bool__', '__float__', '__int__', '__index__')
+
+def test_no_host_synchronisation_in_a_micro_batch_that_does_not_step():
+    """Issue 38: on a GPU a `.item()`, `.cpu()`, `bool(tensor)`... waits for every queued kernel. In the micro-batches that
+    do not close their window, no code of ours calls one (GradientAccumulation, 'pool', precise statistics' callback,
+    GradientNoiseScale with its schedule, Checkpoint): counted on every tensor method that reads a value back to the
+    host, from frames in accum_callback/; the window's closing micro-batch may (its one all-reduce of the counts)"""
+    import sys, tempfile
+    from torch.utils.data import TensorDataset
+    from accum_callback import BatchNormAccumulation, GradientNoiseScale, Checkpoint
+    calls,where = [0],[]
+    saved = {k: getattr(torch.Tensor, k) for k in HOST_SYNCS}
+    def counted(k):
+        f = saved[k]
+        def wrap(self, *a, **kw):
+            fr = sys._getframe(1)
+            if counting[0] and 'accum_callback' in fr.f_code.co_filename:
+                calls[0] += 1; where.append(f"{k} at {fr.f_code.co_filename.split('accum_callback')[-1]}:{fr.f_lineno}")
+            return f(self, *a, **kw)
+        return wrap
+    counting = [False]
+    class Count(Callback):
+        order = -1000   # first in, last out: the whole micro-batch
+        def before_batch(self): counting[0] = not self.learn.gradient_accumulation.window.closes if hasattr(self.learn, 'gradient_accumulation') else False
+        def after_batch(self): counting[0] = False
+    class Arm(Callback):
+        order = GradientAccumulation.order + 1   # the window knows by now whether this micro-batch closes it
+        def before_batch(self): counting[0] = not self.learn.gradient_accumulation.window.closes
+    noise = GradientNoiseScale()
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    with tempfile.TemporaryDirectory() as d:
+        learn = make_learner(TensorDataset(torch.randn(96, 4), torch.randint(0, 3, (96,))), 4, model=model, loss_func=nn.CrossEntropyLoss(),
+                             cbs=[GradientAccumulation(target_bs=noise.schedule(warmup=2)), BatchNormAccumulation('pool', precise=16), noise,
+                                  Checkpoint(d, every=3), Count(), Arm()])
+        for k in HOST_SYNCS: setattr(torch.Tensor, k, counted(k))
+        try: fit_quiet(learn, 2)
+        finally:
+            for k,f in saved.items(): setattr(torch.Tensor, k, f)
+    ga = learn.gradient_accumulation
+    assert ga.steps > 4 and sum(ga.window_micro) > 2*ga.steps   # windows of several micro-batches
+    assert calls[0] == 0, where[:10]

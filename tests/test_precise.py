@@ -4,6 +4,7 @@ copy of the model (BatchNorm normalising each micro-batch with its own statistic
 catches every BatchNorm layer's inputs, and takes their mean and unbiased variance over all of them at once."""
 import copy, random
 import pytest, torch, torch.nn as nn
+from fastai.callback.core import Callback
 from torch.utils.data import TensorDataset
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
@@ -173,3 +174,38 @@ def test_check_batchnorm_keeps_the_recorder():
     before = (list(rec.values), list(rec.losses), list(rec.lrs), list(rec.iters))
     learn.check_batchnorm(16)
     assert (rec.values, rec.losses, rec.lrs, rec.iters) == before and len(before[0]) == 2 and len(before[1]) == 10
+
+class Recomputes(Callback):
+    "Which epochs' validations ran after a recomputation (BatchNormAccumulation's `precise_items` set anew)"
+    order = 100
+    def before_fit(self): self.seen = []
+    def before_validate(self):
+        bna = next(cb for cb in self.learn.cbs if isinstance(cb, BatchNormAccumulation))
+        self.seen.append(getattr(bna, 'precise_items', None)); bna.precise_items = None
+
+@pytest.mark.parametrize('cancel_at', [None, 1])
+def test_precise_at_the_end_recomputes_once_and_equals_every_epochs(cancel_at):
+    """Issue 38: `precise_at='end'` recomputes before the last epoch's validation only (and at the end of a fit cancelled
+    before it): the final statistics are those `precise_at='epoch'` leaves, the weights the same (<= 1e-12, float64)"""
+    from fastai.callback.core import CancelFitException
+    class Stop(Callback):
+        order = 99
+        def after_epoch(self):
+            if cancel_at is not None and self.epoch == cancel_at: raise CancelFitException()
+    def run(at):
+        torch.manual_seed(0); random.seed(0)
+        probe = Recomputes()
+        learn = make_learner(images(), 8, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool', precise=16, precise_at=at), probe, Stop()],
+                             model=BNNet(), loss_func=nn.CrossEntropyLoss(), dtype=torch.float64, shuffle=True)
+        fit_quiet(learn, 3)
+        return learn,probe.seen
+    (a,seen_a),(b,seen_b) = run('end'),run('epoch')
+    assert all(x is not None for x in seen_b)
+    if cancel_at is None:
+        assert [x is not None for x in seen_a] == [False, False, True]
+        for (m,v),(n,w) in zip(stats(a.model), stats(b.model)): assert rel(m, n) <= 1e-12 and rel(v, w) <= 1e-12
+    else:   # cancelled after epoch 1's validation: recomputed in after_fit, from the items epoch 1's recomputation reads
+        assert not any(x is not None for x in seen_a)
+        for (m,v),(n,w) in zip(stats(a.model), stats(b.model)): assert rel(m, n) <= 1e-12 and rel(v, w) <= 1e-12
+    assert all(torch.equal(x, y) for x,y in zip(a.model.parameters(), b.model.parameters()))
+    with pytest.raises(ValueError, match='`precise_at`'): BatchNormAccumulation('pool', precise=8, precise_at='sometimes')
