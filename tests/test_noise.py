@@ -157,6 +157,7 @@ def test_noise_scale_before_training_changes_nothing_and_finds_the_truth():
     assert abs(r.b_simple/want - 1) <= TOL and r.interval[0] <= r.b_simple <= r.interval[1], (r, want)
     assert r.b == 8 and r.B == 64 and r.target_bs == round(r.b_simple) and r.n_step == math.ceil(r.target_bs/8)
     assert 'B_simple' in str(r) and 'target_bs=' in str(r)
+    assert r.items_read == 64*64 > len(ds) == r.set_items and 'more than it holds' in str(r)   # (windows, asked for: said)
 
 def test_plot_and_bad_input():
     learn,noise,_ = measured(8, 8, epochs=1)
@@ -324,32 +325,32 @@ def test_noise_scale_quiet_measures_the_data_on_a_batchnorm_dropout_model():
     loud = learn.noise_scale(n_windows=128, quiet=False)   # as it trains: dropout's noise and BatchNorm's coupling in it
     assert abs(loud.b_simple/want - 1) > TOL, (loud.b_simple, want)
 
-def _per_sample_truth(model, ds, loss_func, chunk=32)->float:
+def _per_sample_truth(model, ds, loss_func)->float:
     "B_simple of `model` (in eval mode: BatchNorm on its running statistics, dropout off) from every per-sample gradient"
     m = copy.deepcopy(model).eval()
-    params = {k: v.detach() for k,v in m.named_parameters() if v.requires_grad}
-    def one(p, x, y): return loss_func(functional_call(m, p, (x[None],)), y[None])
-    x,y = (torch.stack(t) for t in zip(*[ds[i] for i in range(len(ds))]))
+    ps = [p for p in m.parameters() if p.requires_grad]
     total,sq = None,0.
-    for s in range(0, len(x), chunk):
-        per = vmap(grad(one), in_dims=(None, 0, 0))(params, x[s:s+chunk], y[s:s+chunk])
-        g = torch.cat([per[k].reshape(len(per[k]), -1).double() for k in params], 1)
-        total = g.sum(0) if total is None else total + g.sum(0); sq += float((g*g).sum())
-    G = total/len(x)
-    return (sq/len(x) - float(G @ G))/float(G @ G)
+    for i in range(len(ds)):   # one backward a sample: the sum of the gradients and of their squared norms, in float64
+        x,y = ds[i]
+        for p in ps: p.grad = None
+        loss_func(m(x[None]), torch.as_tensor(y)[None]).backward()
+        if total is None: total = [torch.zeros_like(p, dtype=F64) for p in ps]
+        for t,p in zip(total, ps): t.add_(p.grad)
+        sq += float(sum(torch.dot(p.grad.reshape(-1), p.grad.reshape(-1)).double() for p in ps))
+    G2 = float(sum((t/len(ds)).pow(2).sum() for t in total))
+    return (sq/len(ds) - G2)/G2
 
 def test_noise_scale_on_a_realistic_fine_tune_is_finite_cheap_and_near_the_per_sample_truth():
     """Issue 40 (item 4): `vision_learner(resnet18, pretrained=False)` (BatchNorm, dropout in its head) on a few hundred
     images with 'pool' and precise statistics, as a user starts a fine-tune. At its defaults `learn.noise_scale()` reads
     at most a quarter of the training set and gives a finite estimate whose 95% interval holds the per-sample truth of the
     model with BatchNorm frozen and dropout off (every per-sample gradient of the set), and a suggestion (before: windows
-    of 64 items, 16 of them, 2.7 times the set; after training `inf`); over the whole set, within 25% of the truth;
-    measuring more windows than the set holds says so"""
+    of 64 items, 16 of them, 2.7 times the set; after training `inf`); over the whole set, within 25% of the truth"""
     from fastai.vision.all import vision_learner, resnet18, CrossEntropyLossFlat, set_seed
     from accum_callback import BatchNormAccumulation
     from accum_finetune.data import digits_dls
     set_seed(0)
-    dls = digits_dls(8, classes=(0, 1, 2), size=16, seed=0)
+    dls = digits_dls(8, classes=(0, 1, 2), size=8, seed=0)   # (8 px: the per-sample oracle over the set stays cheap)
     learn = vision_learner(dls, resnet18, pretrained=False, normalize=False, loss_func=CrossEntropyLossFlat(),
                            cbs=[GradientAccumulation(n_step=4), BatchNormAccumulation('pool', precise=512)])
     n = len(dls.train.dataset)
@@ -359,8 +360,7 @@ def test_noise_scale_on_a_realistic_fine_tune_is_finite_cheap_and_near_the_per_s
     assert r.target_bs == round(r.b_simple) and r.items_read <= n//4 and r.set_items == n and 'of the training set' in str(r), r
     whole = learn.noise_scale(max_items=n)   # the whole set: within 25% (measured: +18%; the estimator's spread over seeds ~10%)
     assert abs(whole.b_simple/want - 1) <= 0.25 and whole.interval[0] <= want <= whole.interval[1], (whole, want)
-    big = learn.noise_scale(n_windows=n//32 + 2, n_step=4)
-    assert big.items_read > n and 'more than it holds' in str(big)
+
 
 def test_the_default_schedule_is_the_recorded_studys_choice():
     """Issue 40 (item 2): `noise.schedule()` at its defaults is the rule bench/noise_study.py's recorded runs choose (5
