@@ -455,9 +455,8 @@ class _Pooled:
     def interval(self, seed:int, n_boot:int=1000)->tuple:
         g = len(self.groups)
         rng = np.random.default_rng(seed)
-        boots = sorted((_ratio_of(*self.estimates(np.bincount(rng.integers(0, g, g), minlength=g).astype(float)))
-                        for _ in range(n_boot)), key=lambda v: (math.isnan(v), v))
-        return boots[int(0.025*n_boot)],boots[int(0.975*n_boot)-1]
+        return _central95([_ratio_of(*self.estimates(np.bincount(rng.integers(0, g, g), minlength=g).astype(float)))
+                           for _ in range(n_boot)])
 
     def narrow(self, seed:int, rel_width:float)->bool:
         lo,hi = self.interval(seed, 200)
@@ -477,10 +476,10 @@ class _Pooled:
         rep.items_read,rep.what = int(round(N)),'groups, pooled'
         return rep
 
-def _narrow(per:list, seed:int, rel_width:float)->bool:
-    "The 95% interval of the windows so far is finite, positive and within `rel_width` (a quick bootstrap)"
-    lo,hi = _interval([p['g2'] for p in per], [p['trace'] for p in per], seed, 200)
-    return 0 < lo and math.isfinite(hi) and hi <= rel_width*lo
+def _central95(boots:list)->tuple:
+    "The 2.5% and 97.5% points of bootstrap ratios (a resample with no noise measured, nan, sorts last)"
+    boots = sorted(boots, key=lambda v: (math.isnan(v), v))
+    return boots[int(0.025*len(boots))],boots[int(0.975*len(boots))-1]
 
 def _interval(g2, tr, seed:int, n_boot:int=1000)->tuple:
     "The bootstrap's 95% interval of the ratio of the windows' mean estimates (nan-free resamples first)"
@@ -490,9 +489,7 @@ def _interval(g2, tr, seed:int, n_boot:int=1000)->tuple:
     n = len(g2)
     if n < 2: return math.nan,math.nan
     rng = np.random.default_rng(seed)
-    boots = sorted((_ratio(g2[i], tr[i]) for i in (rng.integers(0, n, n) for _ in range(n_boot))),
-                   key=lambda v: (math.isnan(v), v))   # (a resample with no noise measured sorts last)
-    return boots[int(0.025*n_boot)],boots[int(0.975*n_boot)-1]
+    return _central95([_ratio(g2[i], tr[i]) for i in (rng.integers(0, n, n) for _ in range(n_boot))])
 
 def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
     "The estimate over the finite windows of `per`, its bootstrap interval, and a suggestion only where one can be defended"
