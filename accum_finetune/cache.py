@@ -7,7 +7,7 @@ second run on the same folder decodes nothing, a changed, added or removed file 
 It is written to a temporary name and renamed when complete, so an interrupted run leaves nothing that is ever read; a
 corrupt image is one clear error naming the file, with nothing of that cache left behind."""
 from __future__ import annotations
-import hashlib, json, math, os, tempfile, zlib
+import hashlib, json, math, os, socket, tempfile, zlib
 from pathlib import Path
 
 import numpy as np
@@ -59,16 +59,32 @@ def _usable_folder(folder:Path)->Path:
                          "--cache off (decode every image in every epoch)") from None
     return folder
 
+STALE_OTHER_HOST_S = 24*3600   # a half-written cache of another machine (a shared cache folder) is removed after this
+
+def _part_owner(p:Path)->tuple[int|None,str|None]:
+    "(pid, host) of a half-written cache `.NAME-PID@HOST-XXXX.npy.part` (0.2.0's `.NAME-PID-XXXX`: this host's)"
+    stem = p.name.split('.npy.part')[0].rsplit('-', 1)[0]   # (mkstemp's random part has no '-')
+    who,host = stem.rsplit('@', 1) if '@' in stem else (stem, socket.gethostname())
+    try: return int(who.rsplit('-', 1)[1]),host
+    except (ValueError, IndexError): return None,None
+
 def _stale_parts(folder:Path):
-    "Half-written caches (`.NAME-PID-*.npy.part`) of processes that are gone (killed mid-build): removed"
+    """Half-written caches (`.NAME-PID@HOST-*.npy.part`) of processes that are gone (killed mid-build): removed. A
+    builder on another machine sharing the folder cannot be asked whether it runs (its pid means nothing here): its
+    part is removed only when untouched for `STALE_OTHER_HOST_S`"""
+    import time
+    here = socket.gethostname()
     for p in [*folder.glob('.*.npy.part'), *folder.glob('.*.npy.part.crc32')]:
-        try: pid = int(p.name.split('-')[-2])
-        except (ValueError, IndexError): pid = None
-        if pid is not None and pid != os.getpid():
+        pid,host = _part_owner(p)
+        if pid == os.getpid() and host == here: continue
+        if pid is not None and host == here:
             try: os.kill(pid, 0); continue   # its builder still runs
             except ProcessLookupError: pass
             except PermissionError: continue
-        elif pid == os.getpid(): continue
+        else:
+            try:
+                if time.time() - p.stat().st_mtime < STALE_OTHER_HOST_S: continue
+            except OSError: continue
         p.unlink(missing_ok=True)
 
 FULL_CHECK_BYTES = 256 << 20   # a cache up to this size is checked whole when opened; a larger one on a sample of rows
@@ -110,7 +126,7 @@ def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray
                       "building it again", stacklevel=2)
         path.unlink(missing_ok=True)
     _stale_parts(folder)
-    fd,tmp = tempfile.mkstemp(prefix=f'.{name}-{os.getpid()}-', suffix='.npy.part', dir=folder)
+    fd,tmp = tempfile.mkstemp(prefix=f'.{name}-{os.getpid()}@{socket.gethostname()}-', suffix='.npy.part', dir=folder)
     tmp = Path(tmp)
     try:
         # written with plain file writes, not a memory map: a full disk is an OSError here, not a SIGBUS later

@@ -251,13 +251,31 @@ def _join_processes(device):
     return device
 
 def _rank0_first(f):
-    "`f()` on rank 0, then on the others (which then find its cache and checkpoint built); one process: just `f()`"
+    """`f()` on rank 0, then on each other machine's first process (`LOCAL_RANK` 0), then on the rest: the image cache
+    and the pretrained checkpoint are built once where the cache folder is shared, once a machine where it is local, and
+    the others find them. `f` runs alone (`_alone`): fastai's own calls in it (the checkpoint's pretraining) must not
+    gather with processes that wait at the barrier. One process: just `f()`"""
     if _world() == 1: return f()
     import torch.distributed as dist
-    if _rank() == 0: res = f()
-    dist.barrier()
-    if _rank() != 0: res = f()
+    rank,local = _rank(),int(os.environ.get('LOCAL_RANK', '0') or 0)
+    turn = 0 if rank == 0 else 1 if local == 0 else 2
+    for t in range(3):
+        if t == turn:
+            with _alone(): res = f()
+        dist.barrier()
     return res
+
+@contextlib.contextmanager
+def _alone():
+    """fastai reads `WORLD_SIZE` and `RANK` to gather its metrics and losses over the processes (`maybe_gather`): a fit
+    run by one process alone (the pretraining, while the others wait) would wait for them forever. Within: one process"""
+    saved = {k: os.environ.get(k) for k in ('WORLD_SIZE', 'RANK')}
+    os.environ.update(WORLD_SIZE='1', RANK='0')
+    try: yield
+    finally:
+        for k,v in saved.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
 
 @contextlib.contextmanager
 def _data_parallel(learn, device):

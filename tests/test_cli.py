@@ -496,6 +496,53 @@ def test_half_written_caches_of_dead_processes_are_cleaned_up(tmp_path):
     cached_split(files, 16, cache, 'x-train', err)
     assert sorted(p.name for p in cache.glob('.*')) == [f'.x-train-{os.getppid()}-abc.npy.part']
 
+def test_half_written_caches_of_another_machine_are_left_until_old(tmp_path):
+    "A shared cache folder: another machine's builder cannot be asked whether it runs, so its part stays a day"
+    import os
+    from accum_finetune.cache import STALE_OTHER_HOST_S, cached_split
+    files,err = _split_args(tmp_path)
+    cache = tmp_path/'cache'; cache.mkdir()
+    fresh,old = cache/'.x-train-1@elsewhere-node-abc.npy.part',cache/'.x-train-2@elsewhere-node-def.npy.part'
+    fresh.write_bytes(b'half'); old.write_bytes(b'half')
+    t = old.stat().st_mtime - STALE_OTHER_HOST_S - 60
+    os.utime(old, (t, t))
+    cached_split(files, 16, cache, 'x-train', err)
+    assert sorted(p.name for p in cache.glob('.*')) == [fresh.name]
+
+def _build_at_once(barrier, folder, files, out):
+    "One of several processes building the same cache at the same moment (decoding slowed so that the builds overlap)"
+    import time, zlib
+    import accum_finetune.cache as C
+    from accum_finetune.data import _unreadable
+    decode,calls = C.decode,[]
+    def slow(f, size): calls.append(f); time.sleep(0.01); return decode(f, size)
+    C.decode = slow
+    barrier.wait()
+    t0 = time.time()
+    arr = C.cached_split(files, 16, folder, 'x-train', _unreadable(Path(files[0]).parents[1]))
+    out.put((len(calls), t0, time.time(), zlib.crc32(np.ascontiguousarray(arr).data)))
+
+def test_processes_building_one_cache_at_once_leave_one_whole_cache(tmp_path):
+    """The cache race (issue 45): ranks of a job on one machine, or several jobs, on one fresh cache folder at the same
+    moment: every process builds (none finds a cache), each gets the same pixels, and the folder then holds one whole
+    cache and nothing half-written"""
+    import multiprocessing as mp
+    from accum_finetune.cache import _load
+    files,_ = _split_args(tmp_path, n=20)
+    cache = tmp_path/'cache'
+    ctx = mp.get_context('spawn'); n = 4
+    barrier,out = ctx.Barrier(n),ctx.Queue()
+    ps = [ctx.Process(target=_build_at_once, args=(barrier, cache, files, out)) for _ in range(n)]
+    for p in ps: p.start()
+    res = [out.get(timeout=120) for _ in ps]
+    for p in ps: p.join(timeout=60); assert p.exitcode == 0
+    assert all(r[0] == len(files) for r in res), res   # every one decoded every image: they raced
+    assert max(r[1] for r in res) < min(r[2] for r in res), res   # and their builds overlapped in time
+    assert len({r[3] for r in res}) == 1   # the same pixels
+    caches = sorted(cache.glob('x-train-16px-*.npy'))
+    assert len(caches) == 1 and sorted(p.name for p in cache.iterdir()) == sorted([caches[0].name, caches[0].with_suffix('.crc32').name])
+    assert _load(caches[0], len(files), 16) is not None   # whole: its checksums hold
+
 @pytest.mark.parametrize('case', ['parent_is_a_file', 'cache_is_a_file'])
 def test_an_unusable_cache_folder_is_one_line_exit_2(tmp_path, case, capsys):
     "Was a traceback and exit 1 (NotADirectoryError, FileExistsError)"
@@ -543,9 +590,9 @@ def test_bn_precise_reports_the_items_it_recomputed_from(cache, tmp_path):
 # -- several processes: torchrun (issue 45) ----------------------------------------------------------------------------
 TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2']
 
-def _torchrun(*args, timeout=300):
+def _torchrun(*args, timeout=300, env=None):
     return subprocess.run(TORCHRUN + ['-m', 'accum_callback', *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+                          timeout=timeout, env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
 
 def test_torchrun_two_processes_keep_the_global_batch_and_write_once(tmp_path):
     "The job's default 3 epochs on the digits, 1 and 2 processes at a global batch of 32 (3 seeds: 0.9665 and 0.9685)"
@@ -563,6 +610,30 @@ def test_torchrun_two_processes_keep_the_global_batch_and_write_once(tmp_path):
     learn = load_learner(tmp_path/'two'/'model.pkl', cpu=True)   # one process predicts with it
     x = torch.zeros(1, 3, 32, 32)
     assert learn.model.eval()(x).shape == (1, len(b['classes']))
+
+def test_torchrun_on_a_fresh_machine_a_small_folder_and_micro_bs_auto(tmp_path):
+    """Nothing cached yet (the pretrained checkpoint, the decoded images): rank 0 builds both while the other waits. Its
+    pretraining fit once waited forever for the other rank in fastai's metric gathering (it read WORLD_SIZE), a hang
+    the suite's warm cache hid. A small folder, `--micro-bs auto` agreed by both ranks, the global batch kept; one
+    process at the same global batch for comparison (the classes are a bright channel each: both separate them)"""
+    data = make_folder(tmp_path/'imgs', n=30)
+    fresh = dict(ACCUM_CALLBACK_CACHE=str(tmp_path/'jobcache'))
+    args = ('--data', data, '--cache', tmp_path/'cache', '--micro-bs', 'auto', '--effective-bs', 8, '--epochs', 3,
+            '--valid-pct', 0.3, '--device', 'cpu')
+    two = _torchrun(*args, '--out', tmp_path/'two', env=fresh, timeout=240)
+    assert two.returncode == 0, two.stderr[-5000:]
+    assert two.stdout.count('accum-finetune summary') == 1 and two.stderr.count('pretraining resnet_tiny') == 1
+    assert sorted(p.name for p in (tmp_path/'two').iterdir()) == ['metrics.json', 'model.pkl', 'training.png']
+    assert sorted(p.suffix for p in (tmp_path/'cache').iterdir()) == ['.crc32', '.crc32', '.npy', '.npy']   # built once
+    one = subprocess.run([sys.executable, '-m', 'accum_callback', *map(str, args), '--out', tmp_path/'one'], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, env={**os.environ, **fresh})
+    assert one.returncode == 0 and 'pretraining' not in one.stderr, one.stderr[-3000:]   # (the checkpoint is cached)
+    a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('one', 'two'))
+    assert (b['processes'], b['micro_bs_mode'], b['effective_bs'], b['micro_bs']*b['n_step']*2) == (2, 'auto', 8, 8), b
+    assert (a['processes'], a['effective_bs'], a['micro_bs']*a['n_step']) == (1, 8, 8), a
+    assert a['n_valid'] == b['n_valid'] == 27 and a['n_train'] == b['n_train'] == 63
+    # 27 validation images (one is 3.7 points): both at most two wrong of a task that chance gets a third of
+    assert min(a['accuracy'], b['accuracy']) >= 25/27 - 1e-9, (a['accuracy'], b['accuracy'])
 
 def test_torchrun_refuses_a_global_batch_the_processes_do_not_divide(tmp_path):
     r = _torchrun('--epochs', '1', '--device', 'cpu', '--loader-bs', '4', '--effective-bs', '12', '--out', tmp_path/'o')
