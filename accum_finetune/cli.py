@@ -247,8 +247,23 @@ def _join_processes(device):
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         import datetime
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', timeout=datetime.timedelta(minutes=10))
+        backend,timeout = 'nccl' if device.type == 'cuda' else 'gloo',datetime.timedelta(minutes=10)
+        store = _attempt_store(timeout)
+        if store is None: dist.init_process_group(backend, timeout=timeout)
+        else: dist.init_process_group(backend, store=store, rank=_rank(), world_size=_world(), timeout=timeout)
     return device
+
+def _attempt_store(timeout):
+    """torchrun's store with this attempt's keys apart, when workers restart (`--max-restarts`): torchrun hands every
+    attempt the same store, and the new workers' gloo (or NCCL) read the dead ones' addresses from it and fail with
+    'Connection refused' (torch 2.14, pytorch#135712, #167288: a plain script fails alike). None: not under torchrun's
+    agent store, `init_method='env://'` as usual. Attempts are counted per machine (TORCHELASTIC_RESTART_COUNT): over
+    several machines a restart that only some agents count would not meet (docs/main_job.md)"""
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
+    if attempt is None or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or 'MASTER_ADDR' not in os.environ: return None
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), _world(), False, timeout=timeout)
+    return dist.PrefixStore(f'accum_callback/attempt_{attempt}', store)
 
 def _rank0_first(f):
     """`f()` on rank 0, then on each other machine's first process (`LOCAL_RANK` 0), then on the rest: the image cache

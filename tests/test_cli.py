@@ -658,3 +658,35 @@ def test_a_rank_killed_mid_epoch_ends_the_job_fast_with_its_error(tmp_path):
     assert p.returncode != 0 and took < 30, (p.returncode, took)
     assert 'Signal 9 (SIGKILL)' in err or 'exitcode  : -9' in err, err[-3000:]
     assert not (tmp_path/'o'/'metrics.json').exists()
+
+def _worker_pids(launcher:int)->list:
+    kids = subprocess.run(['pgrep', '-P', str(launcher)], capture_output=True, text=True).stdout.split()
+    return [int(k) for k in kids if 'accum_callback' in Path(f'/proc/{k}/cmdline').read_text()]
+
+def test_torchrun_restarts_a_killed_rank_from_the_checkpoint_to_the_uninterrupted_results(tmp_path):
+    """`torchrun --max-restarts 1 ... --resume`: a rank SIGKILLed mid-epoch, torchrun starts both again, they continue
+    from the newest checkpoint both ranks wrote whole, and end where the run never interrupted ends (accuracy, loss:
+    equal). The restarted workers once failed to meet ('Gloo connectFullMesh failed ... Connection refused': torchrun's
+    store kept the dead workers' addresses)"""
+    args = ['--epochs', '2', '--device', 'cpu', '--checkpoint-minutes', '0.001', '--resume']
+    launch = TORCHRUN + ['--max-restarts', '1', '-m', 'accum_callback']
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    ref = subprocess.run(launch + args + ['--out', str(tmp_path/'ref')], cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path/'cut'
+    p = subprocess.Popen(launch + args + ['--out', str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    t0 = time.monotonic()
+    while len(list((out/'checkpoints').glob('ckpt-*.rank1.pt'))) < 2:   # both ranks are well into training
+        assert p.poll() is None and time.monotonic() - t0 < 240, p.communicate()
+        time.sleep(0.05)
+    workers = _worker_pids(p.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    _,err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-5000:]
+    assert 'exitcode: -9' in err   # (torchrun saw the kill, and restarted)
+    a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('ref', 'cut'))
+    assert 'resumed_from' not in a and 'checkpoints' in b['resumed_from'], b
+    assert (b['accuracy'], b['valid_loss'], b['optimizer_steps']) == (a['accuracy'], a['valid_loss'], a['optimizer_steps'])
+    assert not (out/'checkpoints').exists()
