@@ -214,6 +214,7 @@ def _run(args)->int:
         ckpt = None
         if args.checkpoint_minutes:
             from accum_callback import Checkpoint
+            _CHECKPOINTS.append(args.out.resolve()/'checkpoints')
             ckpt = Checkpoint(args.out.resolve()/'checkpoints', minutes=args.checkpoint_minutes, resume=args.resume, signals=('SIGTERM',))
         try:
             with _data_parallel(learn, device): m = finetune(learn, args.epochs, args.lr, cbs=[ckpt] if ckpt is not None else None)
@@ -314,12 +315,12 @@ def main(argv=None, prog:str=PROG)->int:
     try: return _main(argv, prog)
     except Exception:
         # a Ctrl-C that an import turned into another error (a module half imported when it landed): still an interrupt
-        if _INTERRUPTED: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
+        if _INTERRUPTED: return _interrupted(prog)
         raise
 
 def _main(argv, prog:str)->int:
     try: return _run(check_args(make_parser(prog).parse_args(argv)))
-    except KeyboardInterrupt: print(f'{prog}: interrupted; nothing written', file=sys.stderr); return 130
+    except KeyboardInterrupt: return _interrupted(prog)
     except UsageError as e: return _fail(e, prog)
     except OSError as e:
         from .cache import CacheError
@@ -349,5 +350,15 @@ def run(prog:str=PROG):
     code = main(prog=prog)
     if code == 130: sys.stdout.flush(); sys.stderr.flush(); os._exit(130)
     sys.exit(code)
+
+_CHECKPOINTS = []   # the run's checkpoint folder, once `--checkpoint-minutes` made one: a Ctrl-C leaves it for --resume
+
+def _interrupted(prog:str)->int:
+    "Ctrl-C: one line (under a launcher every process is interrupted: rank 0 says it), status 130"
+    if _rank() == 0:
+        kept = next((f for f in _CHECKPOINTS if f.is_dir() and any(f.iterdir())), None)
+        print(f'{prog}: interrupted; nothing written' + (f' but the checkpoints in {kept}: add --resume to continue' if kept else ''),
+              file=sys.stderr)
+    return 130
 
 def _fail(e, prog:str=PROG)->int: print(f'{prog}: error: {e}', file=sys.stderr); return 2

@@ -690,3 +690,68 @@ def test_torchrun_restarts_a_killed_rank_from_the_checkpoint_to_the_uninterrupte
     assert 'resumed_from' not in a and 'checkpoints' in b['resumed_from'], b
     assert (b['accuracy'], b['valid_loss'], b['optimizer_steps']) == (a['accuracy'], a['valid_loss'], a['optimizer_steps'])
     assert not (out/'checkpoints').exists()
+
+def test_accelerate_launch_trains_on_two_processes(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` (accelerate's way to N processes; on a machine without GPUs the
+    job's `--device cpu` makes them gloo processes). `accelerate launch --cpu --num_processes 2` starts one process:
+    accelerate's choice, which the job cannot see (docs/main_job.md)"""
+    pytest.importorskip('accelerate')
+    r = subprocess.run([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
+                        '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', '-m', 'accum_callback',
+                        '--epochs', '1', '--device', 'cpu', '--out', str(tmp_path/'o')], cwd=ROOT, capture_output=True,
+                       text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = json.loads((tmp_path/'o'/'metrics.json').read_text())
+    assert (m['processes'], m['effective_bs'], m['n_step']) == (2, 32, 4) and r.stdout.count('accum-finetune summary') == 1
+
+def test_two_machines_over_c10d_each_build_their_own_cache(tmp_path):
+    """Two torchrun agents meeting over a c10d rendezvous (two "machines" on this one, one process each), each machine
+    with its own image cache folder (a local disk): each machine's first process builds its cache, once; global rank 0
+    alone writes the results"""
+    import socket
+    with socket.socket() as so: so.bind(('127.0.0.1', 0)); port = so.getsockname()[1]
+    data = make_folder(tmp_path/'imgs', n=12)
+    def node(i):
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--nproc-per-node', '1', '--rdzv-backend',
+               'c10d', '--rdzv-endpoint', f'127.0.0.1:{port}', '--rdzv-id', 'accum-test', '-m', 'accum_callback',
+               '--data', str(data), '--cache', str(tmp_path/f'cache{i}'), '--effective-bs', '8', '--epochs', '1',
+               '--device', 'cpu', '--out', str(tmp_path/'o')]
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    ps = [node(0), node(1)]
+    outs = [p.communicate(timeout=240) for p in ps]
+    for p,(o,e) in zip(ps, outs): assert p.returncode == 0, e[-4000:]
+    assert sum(o.count('accum-finetune summary') for o,_ in outs) == 1
+    for i in (0, 1): assert sorted(p.suffix for p in (tmp_path/f'cache{i}').iterdir()) == ['.crc32', '.crc32', '.npy', '.npy']
+    m = json.loads((tmp_path/'o'/'metrics.json').read_text())
+    assert (m['processes'], m['effective_bs'], m['n_step'], m['micro_bs']) == (2, 8, 1, 4), m
+
+@pytest.mark.parametrize('phase', ['waiting', 'training'])
+def test_ctrl_c_under_torchrun(tmp_path, phase):
+    """The terminal's Ctrl-C reaches torchrun and every process (SIGINT to the foreground group), while rank 1 waits for
+    rank 0 to pretrain (a fresh machine) or in training (both ranks have checkpointed): the processes end within
+    seconds, one line from the job (rank 0's; none repeated by every rank), no traceback of the job's, nothing written
+    but the checkpoints, which that line names for --resume. torchrun then exits 1 with its own SignalException
+    traceback: torchrun's, not the job's (docs/main_job.md)"""
+    out,log = tmp_path/'o',tmp_path/'err.txt'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', **({'ACCUM_CALLBACK_CACHE': str(tmp_path/'fresh')} if phase == 'waiting' else {})}
+    with open(log, 'w') as err:
+        p = subprocess.Popen(TORCHRUN + ['-m', 'accum_callback', '--epochs', '2', '--device', 'cpu', '--out', str(out),
+                                         '--checkpoint-minutes', '0.001'],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        t0 = time.monotonic()
+        while not ('pretraining' in log.read_text() if phase == 'waiting' else list((out/'checkpoints').glob('ckpt-*.rank1.pt'))):
+            assert p.poll() is None and time.monotonic() - t0 < 240, log.read_text()[-3000:]
+            time.sleep(0.02)
+        if phase == 'waiting': time.sleep(1.)   # (rank 0 in its pretraining fit, rank 1 at the barrier)
+        os.killpg(p.pid, signal.SIGINT)
+        t1 = time.monotonic()
+        p.wait(timeout=120)
+    took,e = time.monotonic() - t1,log.read_text()
+    assert took < 30 and p.returncode != 0, (took, p.returncode)
+    lines = [l for l in e.splitlines() if 'interrupted; nothing written' in l]
+    assert len(lines) == 1 and lines[0].startswith('python -m accum_callback: interrupted; nothing written'), e[-3000:]
+    assert ('add --resume' in lines[0]) == (phase == 'training'), lines
+    assert 'accum_finetune/' not in e and 'fastai/' not in e, e[-3000:]   # no traceback through the job
+    assert not out.exists() or sorted(f.name for f in out.iterdir()) == ['checkpoints']
