@@ -16,7 +16,7 @@ from fastai.learner import Learner
 from fastcore.basics import patch
 
 from .compat import rng_states, set_rng_states, BatchNormBase
-from .distributed import is_distributed
+from .distributed import is_distributed, process_count
 from .micro.loader import loader_pieces
 
 __all__ = ['rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
@@ -143,9 +143,11 @@ def update_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullc
 def training_items(learn, n:int, size:int|None=None, seed:int=0):
     """Yield about `n` items of `learn`'s training loader as inputs (tuples), on the model's device: its batches in an
     order of their own (shuffled from `seed`; the training loader and its RNG are not touched), cut into pieces of at
-    most `size` items where given (the Learner's micro-batches), up to the first piece that reaches `n`. Under DDP every
-    rank takes its own shard of the loader and as many pieces"""
+    most `size` items where given (the Learner's micro-batches), up to the first piece that reaches `n`. Under DDP or
+    FSDP2 every rank takes its own shard of the loader and `n / ranks` of it (rounded up), so that `n` is all ranks'
+    items together, as many pieces on every rank"""
     n_inp,seen = getattr(learn.dls, 'n_inp', 1),0
+    if is_distributed(learn.model): n = -(-n // process_count())
     for b,(s,e,_) in loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False):
         yield tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
         seen += e - s

@@ -605,6 +605,7 @@ def test_torchrun_two_processes_keep_the_global_batch_and_write_once(tmp_path):
     a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('one', 'two'))
     assert (a['effective_bs'], a['n_step'], a['processes']) == (32, 8, 1) and (b['effective_bs'], b['n_step'], b['processes']) == (32, 4, 2)
     assert a['n_valid'] == b['n_valid'] and abs(a['accuracy'] - b['accuracy']) <= 0.03, (a['accuracy'], b['accuracy'])
+    assert a['bn_precise'] == b['bn_precise'] == 512   # the statistics recomputed from 512 items: 256 a process
     import torch
     from fastai.learner import load_learner
     learn = load_learner(tmp_path/'two'/'model.pkl', cpu=True)   # one process predicts with it
@@ -755,3 +756,14 @@ def test_ctrl_c_under_torchrun(tmp_path, phase):
     assert ('add --resume' in lines[0]) == (phase == 'training'), lines
     assert 'accum_finetune/' not in e and 'fastai/' not in e, e[-3000:]   # no traceback through the job
     assert not out.exists() or sorted(f.name for f in out.iterdir()) == ['checkpoints']
+
+def test_notebook_launcher_trains_on_two_processes(tmp_path):
+    "The docs' notebook line: accelerate's `notebook_launcher(main, (args,), num_processes=2)` (forked processes, gloo here)"
+    pytest.importorskip('accelerate')
+    code = ("from accelerate import notebook_launcher; from accum_finetune.cli import main; "
+            f"notebook_launcher(main, (['--epochs', '1', '--device', 'cpu', '--out', {str(tmp_path/'o')!r}],), num_processes=2)")
+    r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = json.loads((tmp_path/'o'/'metrics.json').read_text())
+    assert (m['processes'], m['effective_bs'], m['bn_precise']) == (2, 32, 512) and r.stdout.count('accum-finetune summary') == 1
