@@ -50,7 +50,10 @@ def _sq_norm(ts:list)->torch.Tensor:
     "Sum of squares of `ts` (one fused norm kernel), in float64, on their device; a DTensor counts its local shard"
     ts = [local_tensor(t) for t in ts if t is not None]
     if not ts: return torch.zeros((), dtype=torch.float64)
-    return torch.stack([n.double() for n in foreach('norm')(ts)]).pow(2).sum()
+    norms = foreach('norm')(ts)
+    by = {}
+    for n in norms: by.setdefault(n.dtype, []).append(n)   # (one stack per dtype, not a conversion per tensor)
+    return sum(torch.stack(ns).double().pow(2).sum() for ns in by.values())
 
 @one_per_learner("(Each would log the same measurements.)")
 class GradientNoiseScale(Callback):

@@ -72,6 +72,22 @@ def trained_bn_layers(model:nn.Module, learn=None)->list:
         return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False)) or not list(bn.parameters(recurse=False))]
     return bns
 
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)   # exactly these: their running update is torch's own
+
+def _pooled(seen:list)->PopulationStats:
+    """The micro-batches' (mean, population variance, n) pooled exactly in float64: the mean of all items, and the sum of
+    squared deviations as each micro-batch's own plus its mean's about the whole mean (two passes over the per-channel
+    figures, none over the activations)"""
+    s = PopulationStats()
+    if not seen: return s
+    mean = torch.stack([m for m,_,_ in seen]).double()
+    var = torch.stack([v for _,v,_ in seen]).double()
+    n = mean.new_tensor([float(k) for _,_,k in seen])[:,None]
+    tot = float(n.sum())
+    mu = (mean*n).sum(0)/tot
+    s.n,s.mu,s.m2 = tot,mu,(var*n).sum(0) + ((mean - mu).square()*n).sum(0)
+    return s
+
 class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
     n_items = 0
@@ -96,19 +112,33 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     forward = forward or (lambda xb: model(*xb))
     bns = trained_bn_layers(model) if layers is None else list(layers)
     n_items = 0
-    stats = _Stats({bn: PopulationStats() for bn in bns})
+    seen = {bn: [] for bn in bns}   # each micro-batch's (mean, population variance, items a channel)
     modes = [(m, m.training) for m in model.modules()]
     bufs = [(t, t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None]
     steps = [(m, m.renorm_steps) for m in bns if hasattr(m, 'renorm_steps')]
+    moms = [(bn, bn.momentum) for bn in bns]
+    def own(bn):
+        """A plain BatchNorm layer computes its input's statistics itself: with momentum 1 its running buffers are the
+        micro-batch's mean and unbiased variance after its forward, read back (no second pass over the activations)"""
+        def post(mod, inp, out):
+            n = inp[0].numel()//inp[0].shape[1]
+            seen[mod].append((mod.running_mean.clone(), mod.running_var*((n-1)/n), n))
+        bn.momentum = 1.
+        bn.running_mean.zero_(); bn.running_var.fill_(1.)   # (0 x a nan or inf left there would be nan)
+        return bn.register_forward_hook(post)
     def hook(bn):
+        "Any other (Batch Renorm, SyncBatchNorm, subclasses): the input's statistics computed here"
         def pre(mod, inp):
             x = inp[0]
             dims = [0] + list(range(2, x.ndim))
             var,mean = torch.var_mean(x if x.dtype == torch.float64 else x.float(), dim=dims, correction=0)
-            stats[mod].update(mean, var, x.numel()//x.shape[1])
+            seen[mod].append((mean, var, x.numel()//x.shape[1]))
         return bn.register_forward_pre_hook(pre)
-    handles = [hook(bn) for bn in bns]
+    handles = []
     try:
+        for bn in bns:
+            plain = type(bn) in _PLAIN_BN and bn.running_var.dtype in (torch.float32, torch.float64)
+            handles.append(own(bn) if plain else hook(bn))
         with rngs_kept():
             model.eval()
             for bn in bns: bn.train()
@@ -119,8 +149,10 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     finally:
         for h in handles: h.remove()
         for m,t in modes: m.training = t
+        for bn,mom in moms: bn.momentum = mom
         for t,v in bufs: t.copy_(v)
         for m,k in steps: m.renorm_steps = k
+    stats = _Stats({bn: _pooled(seen[bn]) for bn in bns})
     if is_distributed(model) and dist.is_available() and dist.is_initialized():
         for s in stats.values():
             if s.s1 is not None: s.sum_over_ranks()

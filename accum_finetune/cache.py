@@ -77,7 +77,8 @@ def _stale_parts(folder:Path):
     for p in [*folder.glob('.*.npy.part'), *folder.glob('.*.npy.part.crc32')]:
         pid,host = _part_owner(p)
         if pid == os.getpid() and host == here: continue
-        if pid is not None and host == here:
+        if pid is None: pass   # (not a name a builder gives: nothing of a live one)
+        elif host == here:
             try: os.kill(pid, 0); continue   # its builder still runs
             except ProcessLookupError: pass
             except PermissionError: continue

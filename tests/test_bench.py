@@ -42,6 +42,8 @@ def test_quick_prints_every_row(quick):
     assert len(rows) == len(expected), names
     for name,ratio,goal,met in rows:
         assert 'error' not in ratio, (name, ratio)
+        # (--quick's tiny fit may not move a loaded machine's memory peak at all: 'not measurable' says so, no verdict)
+        if name.startswith('memory') and ratio.startswith('not measurable'): assert met == '—'; continue
         if not name.startswith('CUDA') and ratio != 'info' and goal != 'info': assert met in ('yes', 'no', 'within noise'), (name, met)
     # the all-reduce count is exact, not timing: one round per window instead of one per micro-batch
     assert next(r for r in rows if r[0].startswith('DDP all-reduce'))[3] == 'yes'

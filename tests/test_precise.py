@@ -8,7 +8,7 @@ from fastai.callback.core import Callback
 from torch.utils.data import TensorDataset
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
-from accum_callback.precise import training_items
+from accum_callback.precise import precise_bn_stats, training_items
 from accum_callback.testing import launch_gloo
 from helpers import DISTRIBUTED_KINDS, fit_quiet, make_learner
 
@@ -86,6 +86,46 @@ def test_validation_sees_the_recomputed_statistics():
     fit_quiet(learn, 1)
     fit_loss = learn.recorder.values[-1][1]
     assert abs(learn.validate()[0] - fit_loss) <= 1e-12
+
+class SubBN2d(nn.BatchNorm2d):
+    "A subclass (as timm's norm-act layers are): its running update is not known to be torch's, so it is measured apart"
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_plain_layers_statistics_read_back_and_others_measured_agree_whatever_the_buffers_held(dtype):
+    """Plain BatchNorm layers give their micro-batch statistics through their own running update (momentum 1, read back
+    after each forward); a subclass is measured by a hook. Both ways the exact statistics of the items, also when the
+    buffers held nan and inf before (0 x nan is nan), with a momentum of None (cumulative) or 0.5, and a layer called
+    twice in one forward; the layers' momentum and buffers are put back"""
+    class Twice(BNNet):
+        def __init__(self):
+            super().__init__(); self.b1 = SubBN2d(6); self.b0 = nn.BatchNorm2d(3, momentum=None)
+        def forward(self, x):
+            x = self.b0(x); x = self.b0(x + 1.)   # one layer, two calls
+            return super().forward(x)
+    model = Twice().to(dtype)
+    model.b2.momentum = 0.5
+    x = images().tensors[0][:38].to(dtype)
+    batches = [(x[i:i+5],) for i in range(0, 38, 5)]
+    with torch.no_grad():
+        want_model = copy.deepcopy(model)
+        for bn in (model.b0, model.b1, model.b2): bn.running_mean.fill_(float('nan')); bn.running_var.fill_(float('inf'))
+    before = [(bn.momentum, bn.running_mean.clone(), bn.running_var.clone()) for bn in (model.b0, model.b1, model.b2)]
+    got = precise_bn_stats(model, batches)
+    for bn,(mom,m,v) in zip((model.b0, model.b1, model.b2), before):
+        assert bn.momentum == mom and torch.equal(bn.running_mean.isnan(), m.isnan()) and torch.equal(bn.running_var, v)
+    o = copy.deepcopy(want_model).double()
+    seen = {}
+    hs = [bn.register_forward_pre_hook(lambda mod, inp: seen.setdefault(mod, []).append(inp[0].detach()))
+          for bn in (o.b0, o.b1, o.b2)]
+    o.eval(); [bn.train() for bn in (o.b0, o.b1, o.b2)]
+    with torch.no_grad():
+        for (xb,) in batches: o(xb.double())
+    for h in hs: h.remove()
+    tol = TOL if dtype == torch.float64 else 1e-4
+    for bn,obn in zip((model.b0, model.b1, model.b2), (o.b0, o.b1, o.b2)):
+        a = torch.cat(seen[obn]).transpose(0, 1).reshape(obn.num_features, -1)
+        s = got[bn]
+        assert s.n == a.shape[1] and rel(s.mean, a.mean(1)) <= tol and rel(s.var, a.var(1)) <= tol, (type(bn), rel(s.var, a.var(1)))
 
 def test_bad_input():
     with pytest.raises(ValueError, match="precise.*'freeze'"): BatchNormAccumulation('freeze', precise=10)
