@@ -33,18 +33,45 @@ def _code(which):
     try: yield
     finally: P.precise_bn_stats = new
 
-def run(setting, seed, epochs, scratch=False):
-    import torch
+def _job_learner(setting, seed, scratch=False):
     from accum_finetune.data import digits_dls
-    from accum_finetune.finetune import build_learner, finetune
+    from accum_finetune.finetune import build_learner
     from accum_finetune.models import DEFAULT_ARCH
     from accum_finetune.pretrain import pretrained_checkpoint
-    dls = digits_dls(4, seed=seed)
-    kw = dict(SETTINGS[setting]); code = kw.pop('code', None)
+    kw = {k: v for k,v in SETTINGS[setting].items() if k != 'code'}
     weights = None if scratch else str(pretrained_checkpoint())
-    learn = build_learner(dls, DEFAULT_ARCH, weights=weights, n_step=8, bn='pool', seed=seed, **kw)
-    with _code(code): m = finetune(learn, epochs, 3e-3, progress=False)
+    return build_learner(digits_dls(4, seed=seed), DEFAULT_ARCH, weights=weights, n_step=8, bn='pool', seed=seed, **kw)
+
+def run(setting, seed, epochs, scratch=False):
+    from accum_finetune.finetune import finetune
+    learn = _job_learner(setting, seed, scratch)
+    with _code(SETTINGS[setting].get('code')): m = finetune(learn, epochs, 3e-3, progress=False)
     return learn.throughput.secs,m['accuracy']   # (the training loops' time, unrounded)
+
+def recompute_ab(rounds:int=11, scratch=False)->tuple:
+    """One recomputation of 512 items on the job's trained-for-one-epoch Learner, 0.2.0's code against today's, alternating
+    (rotating which goes first): (median ratio today's/0.2.0's, its spread, 0.2.0's median s, today's median s)"""
+    import torch
+    from common import summary
+    from accum_callback import update_bn_stats
+    from accum_callback.micro import micro_size
+    from accum_callback.precise import training_items
+    import accum_callback.precise as P
+    learn = _job_learner('none', 0, scratch)
+    learn.fit(1)
+    old,new = _old_code(),P.precise_bn_stats
+    def once(f):
+        P.precise_bn_stats = f
+        try:
+            t = time.perf_counter(); update_bn_stats(learn.model, training_items(learn, 512, micro_size(learn)))
+            return time.perf_counter() - t
+        finally: P.precise_bn_stats = new
+    once(old); once(new)   # warm-up
+    to,tn = [],[]
+    for r in range(rounds):
+        for f,ts in ((old, to), (new, tn))[::1 if r % 2 else -1]: ts.append(once(f))
+    m,spread = summary([b/a for a,b in zip(to, tn)])
+    return m,spread,statistics.median(to),statistics.median(tn)
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,11 +80,17 @@ def main(argv=None):
     p.add_argument('--epochs', type=int, default=3)
     p.add_argument('--threads', type=int, default=None)
     p.add_argument('--scratch', action='store_true', help="from random weights (the BatchNorm study's from-scratch case)")
+    p.add_argument('--recompute-only', action='store_true', help='only time one recomputation, 0.2.0 code against today')
     a = p.parse_args(argv)
     warnings.filterwarnings('ignore')
     import torch
     if a.threads: torch.set_num_threads(a.threads)
     from common import machine
+    if a.recompute_only:
+        r,sp,to,tn = recompute_ab(scratch=a.scratch)
+        print(f"{machine()}\none recomputation of 512 items, 11 alternating rounds: today's / 0.2.0's {r:.3f} ± {sp:.3f} "
+              f"({tn:.3f} s against {to:.3f} s, medians)")
+        return
     names = list(SETTINGS)
     secs,accs = {k: [] for k in names},{k: {} for k in names}
     run(names[0], 0, 1)   # warm-up: imports, allocator, the pretrained checkpoint
@@ -82,6 +115,9 @@ def main(argv=None):
     print(f"\ntoday's default (last epoch) / 0.2.0's (every epoch, 0.2.0 code): {new/old:.3f} of the training time "
           f"({old/new:.2f}x faster; at most {old/none:.2f}x: no recomputation at all)")
     print(f"every epoch, today's code / 0.2.0's code: {e/old:.3f}; one recomputation, today's / 0.2.0's: {(e-none)/(old-none):.3f}")
+    r,sp,to,tn = recompute_ab(scratch=a.scratch)
+    print(f"one recomputation of 512 items timed alone, 11 alternating rounds: today's / 0.2.0's {r:.3f} ± {sp:.3f} "
+          f"({tn:.3f} s against {to:.3f} s, medians)")
 
 
 _SOURCE_020 = '''@torch.no_grad()
