@@ -497,3 +497,14 @@ def test_compiled_model_compiles_no_graph_more(mode):
                          cbs=[GradientAccumulation(n_step=12), BatchNormAccumulation(mode)])
     fit_quiet(eager, 1)
     assert_stats_match(bn_state(learn.model._orig_mod), bn_state(eager.model))
+
+def test_compiled_model_recomputes_the_eager_models_statistics():
+    """`precise=N` on a `torch.compile`d model: the recomputation runs the compiled module (its layers at momentum 1
+    with a forward hook each, in eval mode around them) and sets the statistics the eager model's run gets"""
+    learn,_ = _compiled_fit([BatchNormAccumulation('pool', precise=40)], 4)
+    eager = make_learner(make_data(96, seed=1), 4, model=BNNet(seed=0), lr=0.05,
+                         cbs=[GradientAccumulation(n_step=4), BatchNormAccumulation('pool', precise=40)])
+    fit_quiet(eager, 1)
+    assert_stats_match(bn_state(learn.model._orig_mod), bn_state(eager.model))
+    bns = [m for m in learn.model._orig_mod.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and all(m.momentum == 0.1 for m in bns)   # put back
