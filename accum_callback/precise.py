@@ -83,7 +83,7 @@ def _pooled(seen:list)->PopulationStats:
     mean = torch.stack([m for m,_,_ in seen]).double()
     var = torch.stack([v for _,v,_ in seen]).double()
     n = mean.new_tensor([float(k) for _,_,k in seen])[:,None]
-    tot = float(n.sum())
+    tot = float(sum(k for _,_,k in seen))   # (on the host: no synchronisation with the device)
     mu = (mean*n).sum(0)/tot
     s.n,s.mu,s.m2 = tot,mu,(var*n).sum(0) + ((mean - mu).square()*n).sum(0)
     return s
