@@ -4,11 +4,12 @@ is gone. docs/versions.md lists them with what each is for; `tests/test_package.
 for a private torch name itself."""
 from __future__ import annotations
 
+import contextlib
 import torch, torch.nn as nn
 
 __all__ = ['foreach', 'tree_flatten', 'tree_unflatten', 'tree_map', 'BatchNormBase', 'module_dicts', 'OutOfMemoryError',
            'autocast_enabled', 'compiled_with_cuda_graphs', 'is_compiled', 'fsdp_param_groups', 'fsdp_grads_reachable',
-           'held_unsharded_grad', 'clear_held_grads', 'local_tensor', 'grad_scale', 'TORCH']
+           'held_unsharded_grad', 'clear_held_grads', 'local_tensor', 'grad_scale', 'run_eagerly', 'TORCH']
 
 TORCH = torch.__version__
 
@@ -93,6 +94,22 @@ def grad_scale(learn):
 def is_compiled(model:nn.Module)->bool:
     "Is any part of `model` compiled: a `torch.compile` wrapper (`_orig_mod`) or a module compiled in place (`.compile()`)"
     return any(hasattr(m, '_orig_mod') or getattr(m, '_compiled_call_impl', None) is not None for m in model.modules())
+
+@contextlib.contextmanager
+def run_eagerly(model:nn.Module):
+    """Every compiled part of `model` run eagerly within (a `torch.compile` wrapper's `forward`, a module compiled in
+    place): the recomputation's forwards change modes, momenta and hooks, which a compiled graph would guard on and
+    compile again for (torch 2.4's dynamo failed on them: 'DictGuardManager does not support a leaf_guard')"""
+    wrapped = [(m, m.__dict__.get('forward')) for m in model.modules() if hasattr(m, '_orig_mod')]
+    in_place = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, '_compiled_call_impl', None) is not None]
+    for m,_ in wrapped: m.__dict__['forward'] = m._orig_mod.__call__
+    for m,_ in in_place: m._compiled_call_impl = None
+    try: yield
+    finally:
+        for m,f in wrapped:
+            if f is None: m.__dict__.pop('forward', None)
+            else: m.__dict__['forward'] = f
+        for m,f in in_place: m._compiled_call_impl = f
 
 def compiled_with_cuda_graphs(model:nn.Module)->bool:
     """Is any part of `model` a `torch.compile` module whose backend records CUDA graphs (mode='reduce-overhead' or

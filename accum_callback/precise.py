@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastai.learner import Learner
 from fastcore.basics import patch
 
-from .compat import rng_states, set_rng_states, BatchNormBase
+from .compat import rng_states, set_rng_states, BatchNormBase, run_eagerly
 from .distributed import is_distributed, process_count
 from .micro.loader import loader_pieces
 
@@ -88,22 +88,6 @@ def _pooled(seen:list)->PopulationStats:
     s.n,s.mu,s.m2 = tot,mu,(var*n).sum(0) + ((mean - mu).square()*n).sum(0)
     return s
 
-@contextlib.contextmanager
-def _eager(model:nn.Module):
-    """Every compiled part of `model` run eagerly within (a `torch.compile` wrapper's `forward`, a module compiled in
-    place): the recomputation's forwards change modes, momenta and hooks, which a compiled graph would guard on and
-    compile again for (torch 2.4's dynamo failed on them: 'DictGuardManager does not support a leaf_guard')"""
-    wrapped = [(m, m.__dict__.get('forward')) for m in model.modules() if hasattr(m, '_orig_mod')]
-    in_place = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, '_compiled_call_impl', None) is not None]
-    for m,_ in wrapped: m.__dict__['forward'] = m._orig_mod.__call__
-    for m,_ in in_place: m._compiled_call_impl = None
-    try: yield
-    finally:
-        for m,f in wrapped:
-            if f is None: m.__dict__.pop('forward', None)
-            else: m.__dict__['forward'] = f
-        for m,f in in_place: m._compiled_call_impl = f
-
 class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
     n_items = 0
@@ -155,7 +139,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
         for bn in bns:
             plain = type(bn) in _PLAIN_BN and bn.running_var.dtype in (torch.float32, torch.float64)
             handles.append(own(bn) if plain else hook(bn))
-        with rngs_kept(), _eager(model):
+        with rngs_kept(), run_eagerly(model):
             model.eval()
             for bn in bns: bn.train()
             for xb in batches:
