@@ -17,7 +17,7 @@ from .precise import training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
-from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm
+from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
 from .schedule import whole_number
 
 __all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats', 'RecomputeGuard']
@@ -362,12 +362,14 @@ class Freeze(_Mode):
             warnings.warn("BatchNormAccumulation('freeze'): BatchNorm layers with track_running_stats=False have no "
                           "running statistics and keep normalising with batch statistics", stacklevel=4)
     def before_train(self):
-        for bn in self.frozen: bn.eval()   # after `TrainEvalCallback` put the whole model in train mode
+        # after `TrainEvalCallback` put the whole model in train mode; the layers' own mode only (a timm norm-act
+        # layer's DropBlock and activation train as they would without this callback)
+        for bn in self.frozen: set_norm_mode(bn, False)
     def restore(self):
         for p,rg in getattr(self, 'saved_rg', ()): p.requires_grad_(rg)
         # the mode the training loop left the model in (eval after validation), as it would be without this callback
         model = getattr(self.cb.learn, 'model', None)
-        for bn in getattr(self, 'frozen', ()): bn.train(model.training if model is not None else bn.training)
+        for bn in getattr(self, 'frozen', ()): set_norm_mode(bn, model.training if model is not None else bn.training)
         self.frozen,self.saved_rg = [],[]
 
 class _Convert(_Mode):

@@ -113,22 +113,64 @@ class Experiments(Replay):
             self.clean = [self.n_window, self.n_window+1]
         else: self.clean = self.exp
 
-    @torch.no_grad()
-    def train_effects(self, idxs)->tuple[bool,bool]:
-        """What makes training mode differ, besides BatchNorm: `(random, state)`. random: the output of the same forward
-        changes with the RNG (dropout, drop-path); state: a forward changes buffers outside BatchNorm (spectral_norm's
-        power iteration)"""
-        xb,yb = self.joined(idxs)
-        outs,state = [],False
-        for shift in (False, True):
-            m = self.fresh(); self.modes(m, False, True)
-            if shift:   # another draw of every generator the forward may use
-                torch.rand(1)
-                if model_device(m).type == 'cuda': torch.rand(1, device=model_device(m))
-            bufs = [(b, b.detach().clone()) for mod in m.modules() if not isinstance(mod, BatchNormBase) for b in mod.buffers(recurse=False)]
-            with self._ctx(m): outs.append(flat_out(self._seen(m(*xb), xb, yb)))
-            state = state or any(not torch.equal(b, v) for b,v in bufs)
-        return not torch.equal(*outs),state
+    def _run(self, m, idxs, parts:bool, draw:int):
+        """Forward the micro-batches `idxs` through `m` (one after the other, or as one batch), what the loss sees of
+        each, and the backward of half its sum of squares, a function of the output that adds over samples (a model
+        per sample gives the parts' gradients summing to the whole's, whatever its loss). `draw`: the RNG moved on that
+        many draws of every generator the forward may use first. Returns the outputs (flat) and the parameters'
+        gradients (flat, float64)"""
+        if draw:
+            torch.rand(draw)
+            if model_device(m).type == 'cuda': torch.rand(draw, device=model_device(m))
+        ps = [p for p in m.parameters() if p.requires_grad]
+        for p in ps: p.grad = None
+        outs = []
+        for xb,yb in (self.pieces(m, idxs) if parts else [self.joined(idxs)]):
+            with self._ctx(m):
+                pred = self._seen(m(*xb), xb, yb)
+                s = _half_sq(pred)
+            outs.append(flat_out(pred))
+            if isinstance(s, torch.Tensor) and s.requires_grad: s.backward()
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().reshape(-1) for p in ps]) if ps else torch.zeros(0)
+        return torch.cat(outs),g
+
+    def trained(self, idxs, bn:bool, drop:bool, draw:int=0)->torch.Tensor:
+        """What training uses of one batch of the micro-batches `idxs`: the output and a gradient it gives (`_run`), flat.
+        The gradient too, because a random layer may change no output and still change what trains: timm
+        zero-initialises the last norm of each residual branch (`zero_init_last`), so from scratch a drop-path or
+        DropBlock there leaves the output as it is and changes only the gradients. Sets `state_changed`: did the
+        forward change buffers outside BatchNorm?"""
+        m = self.fresh(); self.modes(m, bn, drop)
+        bufs = [(b, b.detach().clone()) for mod in m.modules() if not isinstance(mod, BatchNormBase) for b in mod.buffers(recurse=False)]
+        out,g = self._run(m, idxs, False, draw)
+        self.state_changed = any(not torch.equal(b, v) for b,v in bufs)
+        return torch.cat([out, g])
+
+    def train_effects(self, idxs, draws:int=4)->tuple[bool,bool,bool]:
+        """What makes training mode differ, besides BatchNorm: `(train_mode, random, state)`, from what training uses of
+        one batch of `idxs` (output and gradient, `trained`), BatchNorm quiet. train_mode: it differs from eval mode in
+        one of `draws`+1 draws of the RNG; random: it changes with the draw (dropout, drop-path, DropBlock, inside a norm
+        layer too; a layer that drops rarely, DropBlock on a small feature map, can draw "drop nothing" more than once,
+        hence several draws); state: a forward changes buffers outside BatchNorm (spectral_norm's power iteration)"""
+        quiet = self.trained(idxs, False, False)
+        first = self.trained(idxs, False, True)
+        state,train_mode,random_ = self.state_changed,not torch.equal(first, quiet),False
+        for d in range(1, draws+1):
+            if random_ and train_mode: break
+            other = self.trained(idxs, False, True, d)
+            random_ = random_ or not torch.equal(first, other)
+            train_mode = train_mode or not torch.equal(other, quiet)
+        return train_mode,random_,state
+
+    def train_split(self, idxs, drop:bool, draw:int=0)->float:
+        """The gradient of the micro-batches `idxs` run one after the other against that of one batch of them (`_run`:
+        independent of the loss), BatchNorm quiet (running statistics), with every other train-mode behaviour on
+        (`drop`) or off, the RNG `draw` draws on: relative"""
+        gs = []
+        for parts in (True, False):
+            m = self.fresh(); self.modes(m, False, drop)
+            gs.append(self._run(m, idxs, parts, draw)[1])
+        return _rel(*gs)
 
     @torch.no_grad()
     def outputs(self, idxs, bn:bool, drop:bool)->tuple[float,list]:
@@ -181,6 +223,13 @@ def _worst(names, sizes, a, b, tol, k=3)->list:
     e,floor = (d/nb.clamp_min(1e-30)).tolist(),tol*float(b.norm())
     judged = [i for i in range(len(e)) if max(float(na[i]), float(nb[i])) > floor or not math.isfinite(e[i])]
     return [(names[i], e[i]) for i in sorted(judged, key=lambda i: -e[i] if math.isfinite(e[i]) else -math.inf)[:k] if e[i] > tol]
+
+def _half_sq(o):
+    "Half the sum of squares of the floating tensors of an output (a tensor, or tuples, lists and dicts of them)"
+    if isinstance(o, torch.Tensor): return 0.5*o.double().square().sum() if o.is_floating_point() else 0.
+    if isinstance(o, (tuple, list)): return sum((_half_sq(x) for x in o), 0.)
+    if isinstance(o, dict): return _half_sq(list(o.values()))
+    return 0.
 
 def _rel(a, b)->float:
     "Relative L2 error of `a` against `b` (inf where either is not finite)"
@@ -260,16 +309,21 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
         if has_bn:
             e = r.outputs(r.clean, bn=True, drop=False)[0]
             if e > max(tol, 10*quiet_clean): causes.append('batchnorm'); errors['batchnorm'] = e
-        train_mode = _rel(flat_out(r.whole(r.clean, bn=False, drop=True)), flat_out(r.whole(r.clean, bn=False, drop=False))) > 0
+        # does training mode change what training uses (the output or the gradient), BatchNorm quiet?
+        train_mode,random_,state = r.train_effects(r.clean)
         def train_causes(e):
             "Which layers acting otherwise in training: drawn masks (dropout), or buffers a forward changes (spectral_norm)"
-            random_,state = r.train_effects(r.clean)
             for c,on in (('dropout', random_), ('train_state', state)):
                 if on: causes.append(c); errors[c] = e
             return random_ or state
         if train_mode:
-            e = r.outputs(r.clean, bn=False, drop=True)[0]   # do the parts differ from the whole in training mode?
-            if e > max(tol, 10*quiet_clean) and not train_causes(e): causes.append('unexplained'); errors['unexplained'] = e
+            # do the parts differ from the whole in training mode: their outputs, or their gradients?
+            bar = max(tol, 10*quiet_clean, 10*r.train_split(r.clean, False))
+            e = max(r.outputs(r.clean, bn=False, drop=True)[0], r.train_split(r.clean, True))
+            for d in range(1, 5):   # (a rare drop may draw the same "nothing" for the parts and the whole: other draws)
+                if e > bar or not random_: break
+                e = r.train_split(r.clean, True, d)
+            if e > bar and not train_causes(e): causes.append('unexplained'); errors['unexplained'] = e
         mean_err,sum_err = r.loss_split(quiet_preds)
         if mean_err > tol:
             c = 'loss_not_mean' if sum_err <= tol else 'n_items'

@@ -10,7 +10,7 @@ from .compat import BatchNormBase, foreach, module_dicts
 from .schedule import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
-           'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm']
+           'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm', 'set_norm_mode']
 
 def _real(v, name:str, lo:float)->float:
     if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
@@ -29,6 +29,15 @@ def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
         new = _convert(child, fn, f'{name}.{n}' if name else n, memo)
         if new is not child: module.add_module(n, new)
     return module
+
+def set_norm_mode(layer:nn.Module, training:bool)->nn.Module:
+    """Put the normalisation of `layer` in training mode (batch statistics) or eval mode (running statistics), and only
+    it: `layer.training` is set, its submodules are left as they are. `nn.Module.train()` recurses, and timm's norm-act
+    layers (`BatchNormAct2d`) carry their `drop` (a `DropBlock2d` with `drop_block_rate`) and `act` as submodules, which
+    must keep the mode the Learner gives the rest of the model. Every mode change the package makes to a norm layer
+    ('freeze', `precise`, the check's experiments, the conversions) goes through here. Returns `layer`."""
+    layer.training = bool(training)
+    return layer
 
 def is_batchnorm(m)->bool:
     "A BatchNorm layer to convert or treat (1d/2d/3d, SyncBatchNorm, timm's norm-act; a `BatchRenorm` is one to fastai, not here)"
@@ -80,7 +89,7 @@ def bn_to_groupnorm(
         gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
         if _has_stats(bn): stats.append(name)
         if isinstance(bn, nn.BatchNorm1d) and g == bn.num_features: single.append(name)
-        return gn.train(bn.training)
+        return set_norm_mode(gn, bn.training)   # (its drop and act keep their own mode)
     res = _convert(module, fn)
     if stats: warnings.warn(f"bn_to_groupnorm: running statistics of {len(stats)} BatchNorm layer(s) (e.g. {stats[0]}) "
                             "are discarded: GroupNorm normalises with per-sample statistics only", stacklevel=2)
@@ -232,5 +241,5 @@ def bn_to_batchrenorm(
         if bn.affine: new.weight,new.bias = bn.weight,bn.bias
         _keep_act(bn, new)
         new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked
-        return new.train(bn.training)
+        return set_norm_mode(new, bn.training)
     return _convert(module, fn)

@@ -18,6 +18,7 @@ from fastcore.basics import patch
 from .compat import rng_states, set_rng_states, BatchNormBase, run_eagerly
 from .distributed import is_distributed, process_count
 from .micro.loader import loader_pieces
+from .norm_layers import set_norm_mode
 
 __all__ = ['rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
            'training_items']
@@ -141,7 +142,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
             handles.append(own(bn) if plain else hook(bn))
         with rngs_kept(), run_eagerly(model):
             model.eval()
-            for bn in bns: bn.train()
+            for bn in bns: set_norm_mode(bn, True)   # (their own mode: a norm-act layer's drop stays in eval)
             for xb in batches:
                 xb = xb if isinstance(xb, (tuple, list)) else (xb,)
                 with ctx(): forward(xb)

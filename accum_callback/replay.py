@@ -15,7 +15,7 @@ from .distributed import unwrap
 from .losses import loss_reduction, micro_items
 from .micro import RowStates, cat_outputs, copy_module, stateful_modules
 from .micro.loader import loader_pieces, model_device, own_loader
-from .norm_layers import is_batchnorm
+from .norm_layers import is_batchnorm, set_norm_mode
 from .precise import rng_states, set_rng_states
 from .window import Window
 
@@ -146,7 +146,8 @@ class Replay:
         m.train(drop)
         frozen = self.bna is not None and self.bna.mode == 'freeze'
         for mod in m.modules():
-            if isinstance(mod, BatchNormBase): mod.train(bn and not frozen)   # BatchNorm, SyncBatchNorm, Batch Renorm
+            # BatchNorm, SyncBatchNorm, Batch Renorm: their own mode only (a timm norm-act layer's drop follows `drop`)
+            if isinstance(mod, BatchNormBase): set_norm_mode(mod, bn and not frozen)
 
     def _ctx(self, m):
         dev = model_device(m).type
