@@ -11,7 +11,7 @@ momenta, `GradientNoiseScale`'s averages and its schedules' values) and fastai's
 `SaveModelCallback`, `ReduceLROnPlateau`: best value and patience). Written atomically (`files.atomic_write`) with a
 CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
 from __future__ import annotations
-import io, json, math, os, re, signal, struct, threading, time, zlib
+import collections, enum, io, json, math, os, pickle, re, signal, struct, threading, time, warnings, zlib
 from pathlib import Path
 
 import torch
@@ -31,8 +31,9 @@ from .micro import MicroBatching
 from .micro.loader import can_skip
 from .noise import GradientNoiseScale
 from .schedule import whole_number
+from .window import Phase, StepRecord
 
-__all__ = ['Checkpoint', 'CheckpointError', 'read_checkpoint']
+__all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
 
 _MAGIC = b'ACKPT1\n'
 _OURS = (GradientAccumulation, MicroBatching, BatchNormAccumulation, GradientNoiseScale)
@@ -40,16 +41,106 @@ _OURS = (GradientAccumulation, MicroBatching, BatchNormAccumulation, GradientNoi
 class CheckpointError(ValueError):
     "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
 
+class UnsafeCheckpoint(CheckpointError):
+    "A checkpoint file that would run code when read (a planted or foreign pickle): never loaded"
+
 def _all_reduce(values:list, op=None)->list:
     "`values` (floats) reduced over the process group (summed, or by `op`), on the device its backend needs"
     t = torch.tensor(values, dtype=torch.float32, device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t.tolist()
 
+# -- what a checkpoint may hold: read back with `torch.load(weights_only=True)`, so that a file runs no code ------------
+# Tensors, numbers, strings, bytes and plain containers go as they are; the few other types the state holds are
+# written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`,
+# and the package's own enums and named tuples (the window's phase and step records), by name from this table only.
+_TAG = '__accum_callback__'
+_OWN_TYPES = {f'{c.__module__}.{c.__qualname__}': c for c in (Phase, StepRecord)}
+
+_PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+
+def _plain_state(o, where:str='state'):
+    "`o` as types `torch.load(weights_only=True)` reads; `CheckpointError` naming what cannot be"
+    import numpy as np
+    from fastcore.foundation import L
+    if o is None or type(o) in _PLAIN: return o
+    name = f'{type(o).__module__}.{type(o).__qualname__}'
+    if isinstance(o, torch.Tensor):
+        if type(o) in (torch.Tensor, torch.nn.Parameter): return o.detach()
+        if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):   # a DTensor (FSDP2's optimizer state): this rank's shard,
+            return {_TAG: 'shard', 'value': o.to_local().detach()}   # made a DTensor again like its parameter (`_reshard`)
+        # fastai's typed tensors (a batch read ahead: TensorImage, TensorCategory...): the data, and the type by name
+        if _fastai_tensor(name) is None:
+            raise CheckpointError(f"Checkpoint: {where} is a {name}, a tensor subclass a checkpoint read without running "
+                                  "code cannot hold: give a plain tensor")
+        return {_TAG: 'tensor', 'type': name, 'value': o.detach().as_subclass(torch.Tensor)}
+    if name in _OWN_TYPES:
+        if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': name, 'value': o.value}
+        return {_TAG: 'tuple', 'type': name, 'value': [_plain_state(v, where) for v in o]}
+    if isinstance(o, np.ndarray): return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': o.ravel().tolist()}
+    if isinstance(o, np.generic): return o.item()
+    if isinstance(o, L): return {_TAG: 'L', 'value': [_plain_state(v, where) for v in o]}
+    if type(o) in (list, tuple): return type(o)(_plain_state(v, f'{where}[{i}]') for i,v in enumerate(o))
+    if type(o) in (dict, collections.OrderedDict):
+        if _TAG in o: raise CheckpointError(f"Checkpoint: {where} holds the key {_TAG!r}, which the checkpoint format reserves")
+        return type(o)((k, _plain_state(v, f'{where}[{k!r}]')) for k,v in o.items())
+    if isinstance(o, (bool, int, float, str)) and not isinstance(o, enum.Enum):   # a subclass: its plain value
+        return next(t for t in (bool, int, float, str) if isinstance(o, t))(o)
+    raise CheckpointError(f"Checkpoint: {where} holds a {name}, which a checkpoint read without running code cannot hold: "
+                          "give numbers, strings, tensors, lists, tuples and dicts (a callback's `state_dict()` included)")
+
+class _Shard(torch.Tensor):
+    "A DTensor's local shard as read from a checkpoint, until `_reshard` makes it a DTensor like its parameter"
+
+def _reshard(state, param):
+    "The optimizer `state` of `param` (a dict, list or tensor) with every `_Shard` a DTensor laid out as `param`"
+    if isinstance(state, _Shard):
+        t = state.as_subclass(torch.Tensor)
+        if not hasattr(param, 'device_mesh'): return t
+        return type(param).from_local(t.to(param.to_local().device), param.device_mesh, param.placements,
+                                      run_check=False, shape=param.shape, stride=param.stride())
+    if isinstance(state, dict): return type(state)((k, _reshard(v, param)) for k,v in state.items())
+    if type(state) in (list, tuple): return type(state)(_reshard(v, param) for v in state)
+    return state
+
+def _fastai_tensor(name):
+    "fastai's tensor class of that full name (`fastai.torch_core.TensorBase` and its subclasses in fastai), or None"
+    import sys
+    from fastai.torch_core import TensorBase
+    if not isinstance(name, str) or not name.startswith('fastai.'): return None
+    mod,_,cls = name.rpartition('.')
+    c = getattr(sys.modules.get(mod), cls, None)   # (a module fastai has loaded: nothing is imported by name)
+    return c if isinstance(c, type) and issubclass(c, TensorBase) else None
+
+def _from_plain(o):
+    "What `_plain_state` wrote, made again"
+    import numpy as np
+    from fastcore.foundation import L
+    if isinstance(o, dict):
+        tag = o.get(_TAG)
+        if tag is None: return type(o)((k, _from_plain(v)) for k,v in o.items())
+        if tag == 'ndarray': return np.array(o['value'], dtype=np.dtype(o['dtype'])).reshape(o['shape'])
+        if tag == 'L': return L([_from_plain(v) for v in o['value']])
+        if tag == 'shard': return o['value'].as_subclass(_Shard)
+        if tag == 'tensor':
+            cls = _fastai_tensor(o.get('type'))
+            if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
+            return o['value'].as_subclass(cls)
+        cls = _OWN_TYPES.get(o.get('type'))
+        if cls is None: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
+        return cls(o['value']) if tag == 'enum' else cls(*[_from_plain(v) for v in o['value']])
+    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(_from_plain(v) for v in o)
+    return o
+
 def _write(path:Path, obj):
-    buf = io.BytesIO(); torch.save(obj, buf); data = buf.getvalue()
+    buf = io.BytesIO(); torch.save(_plain_state(obj), buf); data = buf.getvalue()
     with atomic_write(path) as f: f.write(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
     return len(data)
+
+def _unsupported(e)->str:
+    "The line of torch's refusal that names what the file asked for"
+    lines = [l.strip() for l in str(e).splitlines() if 'Unsupported' in l or 'WeightsUnpickler' in l]
+    return (lines[0] if lines else str(e).splitlines()[0])[:240]
 
 def read_checkpoint(path)->dict:
     "The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged"
@@ -60,7 +151,11 @@ def read_checkpoint(path)->dict:
     data = raw[h:]
     if len(data) != n: raise CheckpointError(f"{path}: cut short ({len(data)} of {n} bytes)")
     if zlib.crc32(data) != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")
-    return torch.load(io.BytesIO(data), map_location='cpu', weights_only=False)
+    try: st = torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)   # (runs no code: see `_plain_state`)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
+                               f"containers, which loading would run as code ({_unsupported(e)})") from None
+    return _from_plain(st)
 
 def _loaders(dl)->list:
     "The training loader and the loaders it wraps (`DistributedDL`'s), outermost first"
@@ -77,7 +172,7 @@ def _set_loader_rngs(dl, states:list):
 
 def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
 def _restore_recorder(rec, saved:dict):
-    "The Recorder's history and running training metrics as `Checkpoint._state` saved them"
+    "The Recorder's history and running training metrics as `Checkpoint._snapshot` saved them"
     for k,v in saved.items():
         if k not in ('smooth', 'mets'): setattr(rec, k, v)
     rec.smooth_loss.__dict__.update(saved['smooth'])
@@ -242,7 +337,7 @@ class Checkpoint(Callback):
                 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}",
                 'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()]}
 
-    def _state(self, where:str)->dict:
+    def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
         learn = self.learn
         model = unwrap(learn.model)
         params = [p for p in model.parameters()]
@@ -268,7 +363,7 @@ class Checkpoint(Callback):
 
     def _save(self, where:str):
         self.serial += 1
-        _write(self._file(self.serial, process_rank()), self._state(where))
+        _write(self._file(self.serial, process_rank()), self._snapshot(where))
         if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
         self.saved.append(self.serial)
         for s in self._serials()[:-self.keep]:
@@ -280,6 +375,8 @@ class Checkpoint(Callback):
         "The newest checkpoint every rank can read whole (a cut or damaged one is passed over), or None"
         for s in reversed(self._serials()):
             try: st = read_checkpoint(self._file(s, process_rank())); ok = 1.
+            except UnsafeCheckpoint as e:   # never read: said, and passed over like a damaged one
+                warnings.warn(f"Checkpoint: {e}", stacklevel=2); st,ok = None,0.
             except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
             if process_count() > 1: ok = _all_reduce([ok], dist.ReduceOp.MIN)[0]
             if ok: return s,st
@@ -326,7 +423,11 @@ class Checkpoint(Callback):
                 if g is None: p.grad = None
                 elif p.grad is None: p.grad = g.to(_local(p).device) if not hasattr(p, 'to_local') else None
                 else: _local(p.grad).copy_(g)
-        if st['opt'] is not None and learn.opt is not None: learn.opt.load_state_dict(st['opt'])
+        if st['opt'] is not None and learn.opt is not None:
+            ps = [p for p,*_ in learn.opt.all_params(with_grad=False)]
+            if len(ps) == len(st['opt'].get('state', ())):   # (FSDP2: each parameter's state as its DTensor again)
+                st['opt']['state'] = [_reshard(s_, p) for s_,p in zip(st['opt']['state'], ps)]
+            learn.opt.load_state_dict(st['opt'])
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         if st['scaler'] is not None and mp is not None and getattr(mp, 'scaler', None) is not None: mp.scaler.load_state_dict(st['scaler'])
         _restore_recorder(learn.recorder, st['recorder'])

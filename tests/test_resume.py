@@ -184,3 +184,64 @@ def test_ranks_resume_bitwise(tmp_path, kind):
 @pytest.mark.parametrize('at', [3, 4, 6, 7, 9, 10, 11, 13, 15, 16])   # (from 3: under FSDP2 the first checkpoint is at the first window's end)
 def test_ranks_resume_bitwise_at_ten_points(tmp_path, kind, at):
     _ranks(tmp_path, kind, at)
+
+# -- checkpoints that run no code (issue 51) ----------------------------------------------------------------------------
+class _Payload:
+    "Unpickled, it writes a file: what a planted checkpoint would do with `torch.load(weights_only=False)`"
+    def __init__(self, marker): self.marker = marker
+    def __reduce__(self): return (Path.write_text, (Path(self.marker), 'the checkpoint ran code'))
+
+def _plant(path:Path, marker:Path):
+    "A file in the package's checkpoint format (magic, CRC-32, length: anyone can compute them) holding `_Payload`"
+    import io, struct
+    buf = io.BytesIO(); torch.save({'where': 'end', 'x': _Payload(str(marker))}, buf); data = buf.getvalue()
+    path.write_bytes(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data)) + data)
+
+def test_a_planted_checkpoint_is_refused_and_never_runs(tmp_path):
+    from accum_callback.checkpoint import UnsafeCheckpoint
+    ck = _interrupted(tmp_path)
+    good = sorted(ck.glob('ckpt-*.rank0.pt'))[-1]
+    planted,marker = ck/'ckpt-000099.rank0.pt',tmp_path/'ran.txt'
+    _plant(planted, marker)
+    with pytest.raises(UnsafeCheckpoint, match=r'refused, not read.*Unsupported global'): read_checkpoint(planted)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(ck)])
+    with pytest.warns(UserWarning, match=r'ckpt-000099.*refused, not read'), learn.no_logging(): learn.fit(2)
+    assert cb.resumed_from == good and not marker.exists()   # the one before it resumed; the payload never ran
+
+@pytest.mark.parametrize('meth', ['fit', 'fit_one_cycle'])
+def test_the_packages_checkpoints_load_with_weights_only(tmp_path, meth):
+    "Every checkpoint written with every callback of ours and fastai's trackers on reads with `weights_only=True`"
+    import io
+    from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback
+    import fastai.callback.schedule   # (fit_one_cycle)
+    from accum_callback import GradientNoiseScale
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), GradientNoiseScale(), EarlyStoppingCallback(patience=9),
+                                          SaveModelCallback(fname=str(tmp_path/'best')), Checkpoint(tmp_path/'ck', batches=3, keep=50)])
+    with learn.no_logging(): getattr(learn, meth)(2)
+    files = sorted((tmp_path/'ck').glob('ckpt-*.pt'))
+    assert len(files) >= 5
+    h = len(_MAGIC) + 12
+    for f in files:
+        torch.load(io.BytesIO(f.read_bytes()[h:]), weights_only=True)   # raises on anything but plain types
+        st = read_checkpoint(f)
+        assert isinstance(st['rngs'][3][1], __import__('numpy').ndarray)   # numpy's RNG state made again as it was
+
+def test_a_learner_with_a_checkpoint_exports_copies_and_pickles(tmp_path):
+    "fastcore's `Stateful.__setstate__` sets `_state = {}` on an unpickled callback: the checkpoint's own names stay clear"
+    import copy, pickle
+    from fastai.learner import load_learner
+    from fastai.data.core import Datasets
+    from fastai.learner import Learner
+    from helpers import MLP
+    x,y = _data().tensors
+    dls = Datasets(list(range(40)), tfms=[[x.__getitem__], [y.__getitem__]], splits=[list(range(32)), list(range(32, 40))]).dataloaders(bs=4)
+    learn = Learner(dls, MLP(), loss_func=torch.nn.functional.mse_loss, path=tmp_path,
+                    cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', batches=3)])
+    with learn.no_logging(): learn.fit(1)
+    learn.export('exported.pkl')
+    for other in (load_learner(tmp_path/'exported.pkl'), copy.deepcopy(learn), pickle.loads(pickle.dumps(learn))):
+        other.dls = learn.dls
+        ck = next(c for c in other.cbs if isinstance(c, Checkpoint))
+        ck.resume = False
+        with other.no_logging(): other.fit(1)
+        assert ck.saved, 'the copy wrote no checkpoint'
