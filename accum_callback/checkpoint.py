@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.core import Callback, CancelEpochException, CancelFitException
+from fastcore.foundation import L
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import TrackerCallback
 from fastai.torch_core import find_device, to_device
@@ -237,6 +238,7 @@ class Checkpoint(Callback):
         self._k,self._stop,self._exit,self._t0,self._last_steps,self._skip_to = 0,None,None,time.monotonic(),0,None
         self._epoch_rngs,self._pending,self._checked_steps,self._deferred = None,None,0,False
         self.serial = max(self._serials(), default=0)
+        self._fit_args = {}; self._fit_args = self._fit_arguments()
         self._install_signals()
         add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit())
         if self.resume: self._resume()
@@ -252,7 +254,6 @@ class Checkpoint(Callback):
             raise SystemExit(128 + sig)
 
     def _finish_fit(self):
-        self.learn.__dict__.pop('_with_events', None)
         self._uninstall_signals()
         remove_fit_guard(self.learn, 'checkpoint')
 
@@ -284,6 +285,10 @@ class Checkpoint(Callback):
 
     def after_epoch(self):
         if self._off: return
+        if self._skipped():   # the Recorder appended this epoch's row: its count of iterations as the checkpoint kept it
+            rec,(_,iters) = self.learn.recorder,self._rows
+            if self.epoch < len(iters) and rec.iters: rec.iters[-1] = iters[self.epoch]
+            return
         if self.epoch_end or self._due(end=True): self._save('end'); self._after_save()
 
     def _due(self, end:bool=False)->bool:
@@ -335,7 +340,22 @@ class Checkpoint(Callback):
                 'micro_bs': (mb.mode if mb is not None else None),
                 'BatchNorm mode': bna.mode if bna is not None else None,
                 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}",
-                'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()]}
+                'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()],
+                **getattr(self, '_fit_args', {})}
+
+    def _fit_arguments(self)->dict:
+        """What the fit was called with, read when it starts: the learning rate and weight decay per parameter group (as
+        `fit` sets them; the momenta a previous fit's schedule left are not the fit's arguments) and every `ParamScheduler`'s schedules sampled at 0, 1/4, ... 1 of training
+        (`fit_one_cycle`'s `lr_max`, `div`, `pct_start`, moms; `fit_flat_cos`, `fit_sgdr`...)"""
+        from fastai.callback.schedule import ParamScheduler
+        def num(v):
+            try: return [num(x) for x in v] if isinstance(v, (list, tuple)) or getattr(v, 'ndim', 0) else float(v)
+            except (TypeError, ValueError): return repr(v)
+        learn = self.learn
+        hypers = [{k: num(h[k]) for k in ('lr', 'wd') if k in h} for h in learn.opt.hypers] if learn.opt is not None else None
+        scheds = {k: [num(f(p)) for p in (0., .25, .5, .75, 1.)] for cb in learn.cbs if isinstance(cb, ParamScheduler)
+                  for k,f in cb.scheds.items()}
+        return {'hyper-parameters': hypers, 'schedule': scheds or None}
 
     def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
         learn = self.learn
@@ -389,8 +409,12 @@ class Checkpoint(Callback):
         self.resumed_from = self._file(serial, process_rank())
         sig,now = st['signature'],self.signature()
         if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
-            if sig['fit'] == now['fit']: self._load(st)
+            if sig['fit'] == now['fit']:
+                self._refuse_changes(sig, now)   # (a finished fit rerun with other arguments: refused, not returned)
+                self._load(st)
             self._skip_epochs(self.learn.n_epoch)
+            warnings.warn(f"Checkpoint: this fit finished before ({self.resumed_from}): nothing is trained, the model is "
+                          "as it ended; Checkpoint(resume=False) or another `path` trains it again", stacklevel=2)
             return
         if sig['fit'] < now['fit']: return   # (an earlier fit's: this one starts afresh)
         self._refuse_changes(sig, now)
@@ -458,10 +482,18 @@ class Checkpoint(Callback):
         _restore_recorder(learn.recorder, st['recorder'])
 
     def _skip_epochs(self, first:int):
-        "Epochs before `first` are done: fastai's loop runs them without a single event (instance-level, this fit only)"
+        """Epochs before `first` are done: each is cancelled in `before_epoch` (fastai's own `SkipToEpoch` mechanism),
+        so every callback sees its events (the progress bar, `ShowGraphCallback`, `CSVLogger`), and the Recorder logs
+        the row the checkpoint kept for it"""
         self._skip_to = first
-        learn,orig = self.learn,self.learn._with_events
-        def with_events(f, event_type, ex, final=lambda: None):
-            if event_type == 'epoch' and learn.epoch < first: return
-            return orig(f, event_type, ex, final)
-        learn.__dict__['_with_events'] = with_events
+        rec = self.learn.recorder
+        self._rows = list(getattr(rec, 'values', [])),list(getattr(rec, 'iters', []))
+        rec.values,rec.iters = [],[]   # (appended again, epoch by epoch, as the skipped epochs end)
+
+    def before_epoch(self):
+        if getattr(self, '_off', True) or self._skip_to is None or self.epoch >= self._skip_to: return
+        values,_ = self._rows
+        if self.epoch < len(values): self.learn.recorder.log = L([self.epoch]) + L(values[self.epoch])
+        raise CancelEpochException()
+
+    def _skipped(self)->bool: return self._skip_to is not None and self.epoch < self._skip_to

@@ -245,3 +245,43 @@ def test_a_learner_with_a_checkpoint_exports_copies_and_pickles(tmp_path):
         ck.resume = False
         with other.no_logging(): other.fit(1)
         assert ck.saved, 'the copy wrote no checkpoint'
+
+# -- resumed as users run it: the progress bar on, epochs skipped through fastai's events (issue 51) ----------------------
+def _plain_cbs(ck, **kw):
+    from fastai.callback.progress import CSVLogger, ShowGraphCallback
+    return [GradientAccumulation(n_step=2), CSVLogger(), ShowGraphCallback(), Checkpoint(ck, **kw)]
+
+@pytest.mark.parametrize('cut', [3, 13, 27])   # in the first, the second and the third epoch (10 batches an epoch)
+def test_resumed_past_the_first_epoch_with_the_progress_bar_csvlogger_and_showgraph(tmp_path, cut):
+    import matplotlib; matplotlib.use('Agg')
+    import fastai.callback.schedule
+    ref = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ref_ck'))
+    ref.path = tmp_path/'ref'; ref.path.mkdir(); ref.fit_one_cycle(3, 0.05)   # (fastai's default callbacks on: the progress bar)
+    learn = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ck', batches=2) + [RaiseAt(cut)])
+    learn.path = tmp_path/'cut'; learn.path.mkdir()
+    with pytest.raises(Boom): learn.fit_one_cycle(3, 0.05)
+    again = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ck', batches=2))
+    again.path = tmp_path/'cut'
+    again.fit_one_cycle(3, 0.05)
+    assert next(c for c in again.cbs if isinstance(c, Checkpoint)).resumed_from is not None
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+    assert again.recorder.values == ref.recorder.values and again.recorder.iters == ref.recorder.iters
+    rows = lambda p: [l.split(',')[:-1] for l in (p/'history.csv').read_text().splitlines()]   # (without the time)
+    assert rows(tmp_path/'cut') == rows(tmp_path/'ref') and len(rows(tmp_path/'ref')) == 4   # a header, each epoch once
+
+def test_a_finished_fit_rerun_says_it_trains_nothing_and_other_arguments_are_refused(tmp_path):
+    import fastai.callback.schedule
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck')])
+    with learn.no_logging(): learn.fit_one_cycle(2, 0.05)
+    for kw,named in ((dict(n_epoch=4, lr_max=0.05), 'n_epoch'), (dict(n_epoch=2, lr_max=0.01), 'schedule')):
+        other = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck')])
+        with other.no_logging(), pytest.raises(CheckpointError, match=rf'{named}: .* then, .* now'): other.fit_one_cycle(**kw)
+    same = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck')])
+    with same.no_logging(), pytest.warns(UserWarning, match='finished before .* nothing is trained'): same.fit_one_cycle(2, 0.05)
+    assert all(torch.equal(a, b) for a,b in zip(learn.model.parameters(), same.model.parameters()))
+
+def test_another_learning_rate_after_a_kill_is_refused(tmp_path):
+    ck = _interrupted(tmp_path)   # fit(2) at the learner's lr 0.1
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(ck)])
+    with learn.no_logging(), pytest.raises(CheckpointError, match=r"hyper-parameters: .*'lr': 0\.1.* then, .*'lr': 0\.05.* now"):
+        learn.fit(2, lr=0.05)
