@@ -11,7 +11,7 @@ momenta, `GradientNoiseScale`'s averages and its schedules' values) and fastai's
 `SaveModelCallback`, `ReduceLROnPlateau`: best value and patience). Written atomically (`files.atomic_write`) with a
 CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
 from __future__ import annotations
-import collections, enum, io, json, math, os, pickle, re, signal, struct, threading, time, warnings, zlib
+import collections, enum, io, json, math, os, pickle, re, signal, struct, tempfile, threading, time, warnings, zlib
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from .batchnorm import BatchNormAccumulation
 from .compat import rng_states, set_rng_states
 from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
 from .files import atomic_write
-from .guard import CANCELS, add_fit_guard, in_inference, remove_fit_guard
+from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching
 from .micro.loader import can_skip
 from .noise import GradientNoiseScale
@@ -230,10 +230,26 @@ class Checkpoint(Callback):
         return sorted(found)
 
     # -- fit ------------------------------------------------------------------------------------------------------
+    def refuse_fit(self):
+        "The folder is checked when the fit starts (`guard.refuse_at_fit_start`): a folder, and one this process can write in"
+        if in_inference(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs): return
+        folder = self.folder
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"Checkpoint: `path` {folder} is a file, not a folder: give a folder for the checkpoints "
+                             "(it is created if missing)")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd,probe = tempfile.mkstemp(dir=folder, prefix='.write-check.', suffix='.part')
+            os.close(fd); os.remove(probe)
+        except OSError as e:
+            raise ValueError(f"Checkpoint: cannot write in `path` {folder} ({type(e).__name__}: {e.strerror or e}): give "
+                             "a folder this process can write to") from None
+
     def before_fit(self):
         # `lr_find` is a fit of its own that puts the weights back: neither counted nor saved
         self._off = in_inference(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs)
         if self._off: return
+        refuse_at_fit_start(self.learn)   # (every callback of ours, this one's folder included: before any sets up)
         self.n_fit += 1
         self._k,self._stop,self._exit,self._t0,self._last_steps,self._skip_to = 0,None,None,time.monotonic(),0,None
         self._epoch_rngs,self._pending,self._checked_steps,self._deferred = None,None,0,False
@@ -383,8 +399,15 @@ class Checkpoint(Callback):
 
     def _save(self, where:str):
         self.serial += 1
-        _write(self._file(self.serial, process_rank()), self._snapshot(where))
+        f = self._file(self.serial, process_rank())
+        try: _write(f, self._snapshot(where)); ok = True
+        except OSError as e:   # a full disk, a folder made read-only: said, and training goes on (the next one tries again)
+            ok = False
+            last = self._file(self.saved[-1], process_rank()) if self.saved else None
+            warnings.warn(f"Checkpoint: could not write {f} ({type(e).__name__}: {e}); training goes on, the last good "
+                          f"checkpoint is {last or 'none yet'}, the next one due tries again", stacklevel=2)
         if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
+        if not ok: return
         self.saved.append(self.serial)
         for s in self._serials()[:-self.keep]:
             try: self._file(s, process_rank()).unlink()

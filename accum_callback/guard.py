@@ -93,12 +93,12 @@ def refuse_twins(learn):
                              f"`learn.remove_cb(learn.cbs[{idx[-1]}])`")
 
 def refuse_at_fit_start(learn):
-    """Every refusal of every callback of ours on `learn` (twins, then each one's `refuse_fit()` in event order), made
+    """Every refusal of every callback on `learn` (twins of ours, then each one's `refuse_fit()` in event order), made
     by the first of them to see `before_fit`, before any of them sets anything up: a refused fit leaves the Learner as
     it was (no cut loader, no wrapper, no hook), whichever of ours refuses"""
     refuse_twins(learn)
-    for cb in learn.cbs.sorted('order'):
-        if _own_class(cb) is not None and hasattr(cb, 'refuse_fit'): cb.refuse_fit()
+    for cb in learn.cbs.sorted('order'):   # (the protocol: a callback with a `refuse_fit()`, ours or a user's)
+        if callable(getattr(cb, 'refuse_fit', None)): cb.refuse_fit()
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

@@ -285,3 +285,40 @@ def test_another_learning_rate_after_a_kill_is_refused(tmp_path):
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(ck)])
     with learn.no_logging(), pytest.raises(CheckpointError, match=r"hyper-parameters: .*'lr': 0\.1.* then, .*'lr': 0\.05.* now"):
         learn.fit(2, lr=0.05)
+
+# -- write faults (issue 51) ----------------------------------------------------------------------------------------------
+def test_a_path_that_is_a_file_or_unwritable_is_refused_when_the_fit_starts(tmp_path, monkeypatch):
+    import accum_callback.checkpoint as C
+    (tmp_path/'afile').write_text('x')
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'afile', minutes=10)])
+    w = [p.detach().clone() for p in learn.model.parameters()]
+    with learn.no_logging(), pytest.raises(ValueError, match=r"Checkpoint: `path` .*afile is a file, not a folder"): learn.fit(1)
+    assert all(torch.equal(a, b) for a,b in zip(w, learn.model.parameters()))   # nothing trained
+    def denied(*a, **k): raise PermissionError(13, 'Permission denied')
+    monkeypatch.setattr(C.tempfile, 'mkstemp', denied)   # (the tests run as root, for whom chmod denies nothing)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ro', minutes=10)])
+    with learn.no_logging(), pytest.raises(ValueError, match=r"cannot write in `path` .*ro \(PermissionError"): learn.fit(1)
+
+def test_a_write_that_fails_mid_fit_warns_and_training_goes_on(tmp_path, monkeypatch):
+    import contextlib, errno
+    import accum_callback.checkpoint as C
+    real,calls = C.atomic_write,[0]
+    @contextlib.contextmanager
+    def full_disk(path, *a, **k):   # the 2nd and 3rd writes fail part-way, as a full disk (EFBIG, ENOSPC) does
+        calls[0] += 1
+        with real(path, *a, **k) as f:
+            if calls[0] not in (2, 3): yield f; return
+            class Part:
+                def write(self, b): f.write(b[:7]); raise OSError(errno.EFBIG if calls[0] == 2 else errno.ENOSPC, 'no room')
+            yield Part()
+    monkeypatch.setattr(C, 'atomic_write', full_disk)
+    ref = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2)])
+    with ref.no_logging(): ref.fit(2)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', batches=3, keep=20)])
+    with learn.no_logging(), pytest.warns(UserWarning, match=r'could not write .*ckpt-000002.* \(OSError: .*no room\); training goes on, the last good checkpoint is .*ckpt-000001'):
+        learn.fit(2)
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), learn.model.parameters()))   # the fit went on, unchanged
+    names = sorted(f.name for f in (tmp_path/'ck').iterdir())
+    assert 'ckpt-000002.rank0.pt' not in names and 'ckpt-000003.rank0.pt' not in names and 'ckpt-000004.rank0.pt' in names
+    assert not [n for n in names if n.endswith('.part')] and cb.saved[0] == 1 and 2 not in cb.saved   # nothing half-written
+    for f in (tmp_path/'ck').glob('ckpt-*.pt'): read_checkpoint(f)   # every file there reads whole
