@@ -29,7 +29,7 @@ from .distributed import is_distributed, is_fsdp, process_count, process_rank, u
 from .files import atomic_write
 from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching
-from .micro.loader import can_skip
+from .micro.loader import ReadAhead, can_skip
 from .noise import GradientNoiseScale
 from .schedule import whole_number
 from .window import Phase, StepRecord
@@ -253,6 +253,7 @@ class Checkpoint(Callback):
         self.n_fit += 1
         self._k,self._stop,self._exit,self._t0,self._last_steps,self._skip_to = 0,None,None,time.monotonic(),0,None
         self._epoch_rngs,self._pending,self._checked_steps,self._deferred = None,None,0,False
+        self._opt_steps,self._step_cancelled = 0,False
         self.serial = max(self._serials(), default=0)
         self._fit_args = {}; self._fit_args = self._fit_arguments()
         self._install_signals()
@@ -275,6 +276,9 @@ class Checkpoint(Callback):
 
     def before_train(self):
         if self._off: return
+        # the training loader read one batch ahead, with its place kept (`Feed`): `GradientAccumulation`'s or
+        # `MicroBatching`'s where they run (ordered before this), else this callback's own, for a Learner without them
+        if getattr(self.learn.dl, 'feed', None) is None: self.learn.dl = ReadAhead(self.learn.dl)
         dl = self.learn.dl
         self._epoch_rngs = _loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
         self._k = 0
@@ -310,7 +314,7 @@ class Checkpoint(Callback):
     def _due(self, end:bool=False)->bool:
         "A checkpoint now? Rules every rank reads alike, and under DDP the clock and signals agreed at window ends"
         ga = self._ga()
-        steps = ga.steps if ga is not None else 0
+        steps = self._steps()
         due = ((self.every is not None and steps - self._last_steps >= self.every) or
                (self.batches is not None and self._k % self.batches == 0))
         if not is_distributed(self.learn.model):
@@ -324,12 +328,21 @@ class Checkpoint(Callback):
 
     def _after_save(self):
         ga = self._ga()
-        self._last_steps,self._t0 = (ga.steps if ga is not None else 0),time.monotonic()
+        self._last_steps,self._t0 = self._steps(),time.monotonic()
         if self._stop is not None:   # asked to stop: the fit ends cleanly (every callback's `after_fit`), then the process
             self._exit,self._stop = self._stop,None
             raise CancelFitException()
 
     def _ga(self): return next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
+
+    def _steps(self)->int:
+        "Optimizer steps of this fit: the window's count, or without accumulation the steps no callback cancelled"
+        ga = self._ga()
+        return ga.steps if ga is not None else self._opt_steps
+    def after_cancel_step(self): self._step_cancelled = True
+    def after_step(self):
+        if not getattr(self, '_step_cancelled', False): self._opt_steps = getattr(self, '_opt_steps', 0) + 1
+        self._step_cancelled = False
 
     # -- signals --------------------------------------------------------------------------------------------------
     def _install_signals(self):
@@ -382,7 +395,7 @@ class Checkpoint(Callback):
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
         return dict(
-            where=where, epoch=learn.epoch, k=self._k, signature=self.signature(),
+            where=where, epoch=learn.epoch, k=self._k, signature=self.signature(), opt_steps=self._opt_steps,
             model={k: _local(v).clone() for k,v in model.state_dict().items()},
             grads=[None if p.grad is None else _local(p.grad).clone() for p in params],
             opt=learn.opt.state_dict() if learn.opt is not None else None,
@@ -484,6 +497,7 @@ class Checkpoint(Callback):
             d = st['trackers'].get(f'{i}:{type(cb).__name__}')
             if d: cb.__dict__.update(d)
         learn.epoch,learn.pct_train,learn.train_iter = st['epoch'],st['pct_train'],st['train_iter']
+        self._opt_steps = self._last_steps = st.get('opt_steps', 0)
         if st['where'] != 'mid':
             set_rng_states(st['rngs'])
             _set_loader_rngs(self._inner(learn.dls.train), st['loader_rngs'])

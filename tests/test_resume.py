@@ -322,3 +322,27 @@ def test_a_write_that_fails_mid_fit_warns_and_training_goes_on(tmp_path, monkeyp
     assert 'ckpt-000002.rank0.pt' not in names and 'ckpt-000003.rank0.pt' not in names and 'ckpt-000004.rank0.pt' in names
     assert not [n for n in names if n.endswith('.part')] and cb.saved[0] == 1 and 2 not in cb.saved   # nothing half-written
     for f in (tmp_path/'ck').glob('ckpt-*.pt'): read_checkpoint(f)   # every file there reads whole
+
+# -- Checkpoint alone, on a plain Learner (issue 51) -----------------------------------------------------------------------
+@pytest.mark.parametrize('cut', [5, 17])   # mid-epoch, in the first and the second epoch
+def test_checkpoint_alone_resumes_mid_epoch_bitwise(tmp_path, cut):
+    import fastai.callback.schedule
+    from fastai.torch_core import set_seed
+    set_seed(0)   # (a shuffled fastai loader seeds its order from the global `random` when it is made)
+    ref = make_learner(_data(), 4, cbs=[Checkpoint(tmp_path/'ref')], shuffle=True)
+    ref.fit_one_cycle(2, 0.05)
+    set_seed(0); learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', batches=3), RaiseAt(cut)], shuffle=True)
+    with pytest.raises(Boom): learn.fit_one_cycle(2, 0.05)
+    newest = sorted((tmp_path/'ck').glob('ckpt-*.pt'))[-1]
+    assert read_checkpoint(newest)['where'] == 'mid'
+    set_seed(0); again = make_learner(_data(), 4, cbs=[cb2 := Checkpoint(tmp_path/'ck', batches=3)], shuffle=True)
+    again.fit_one_cycle(2, 0.05)
+    assert cb2.resumed_from == newest
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+    assert again.recorder.values == ref.recorder.values and again.recorder.losses == ref.recorder.losses
+
+def test_checkpoint_alone_every_optimizer_step(tmp_path):
+    "Without GradientAccumulation, `every` counts fastai's own optimizer steps (it counted none: epoch ends only)"
+    learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', every=3, epoch_end=False, keep=50)])
+    with learn.no_logging(): learn.fit(1)   # 10 steps: a checkpoint after steps 3, 6, 9, and the one at the fit's end
+    assert [read_checkpoint(f)['opt_steps'] for f in sorted((tmp_path/'ck').glob('ckpt-*.pt'))] == [3, 6, 9, 10]
