@@ -28,7 +28,7 @@ from .compat import rng_states, set_rng_states
 from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
 from .files import atomic_write
 from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
-from .micro import MicroBatching
+from .micro import MicroBatching, stateful_modules
 from .micro.loader import ReadAhead, can_skip
 from .noise import GradientNoiseScale
 from .schedule import whole_number
@@ -171,7 +171,53 @@ def _set_loader_rngs(dl, states:list):
     for l,s in zip(_loaders(dl), states):
         if s is not None: l.rng.setstate(s)
 
+def _loader_orders(dl)->list:
+    """The order state a loader keeps from one epoch to the next besides its RNG: fastai's `LMDataLoader` shuffles its
+    texts in place (a `ReindexCollection`'s `idxs`), each epoch's order a shuffle of the last one's"""
+    from fastcore.xtras import ReindexCollection
+    out = []
+    for l in _loaders(dl):
+        items = l.__dict__.get('items') if hasattr(l, '__dict__') else None
+        out.append([int(i) for i in items.idxs] if isinstance(items, ReindexCollection) else None)
+    return out
+
+def _set_loader_orders(dl, saved):
+    for l,o in zip(_loaders(dl), saved or ()):
+        if o is None: continue
+        idxs = l.__dict__['items'].idxs   # in place: LMDataLoader's `lens` shares this very list
+        for i,v in enumerate(o): idxs[i] = v
+        if callable(getattr(l, 'make_chunks', None)): l.make_chunks()   # (LMDataLoader's chunks follow its order)
+
 def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
+
+# -- the state a model carries from batch to batch -----------------------------------------------------------------------
+def _carried_value(v)->bool:
+    "A value a module's carried state may hold: tensors and numbers, in lists and tuples"
+    if v is None or isinstance(v, (torch.Tensor, bool, int, float)): return True
+    return type(v) in (list, tuple) and all(_carried_value(x) for x in v)
+
+def carried_state(model)->dict:
+    """What `model` carries from one batch to the next, by module name: what fastai's `ModelResetter` resets (AWD_LSTM's
+    `hidden` and `bs`, any module with `reset()`: its attributes that are tensors or numbers), or what a module declares
+    with `carried_state()` (then `load_carried_state(state)` puts it back)"""
+    ok,bad = stateful_modules(model)
+    names = {m: n for n,m in model.named_modules()}
+    out = {}
+    for m in [m for m,_ in ok] + bad:
+        if callable(getattr(m, 'carried_state', None)): out[names[m]] = {'declared': m.carried_state()}
+        else: out[names[m]] = {'attributes': {k: v for k,v in vars(m).items()
+                                              if not k.startswith('_') and k != 'training' and _carried_value(v)}}
+    return out
+
+def load_carried_state(model, saved:dict):
+    "Put back what `carried_state` took, on the device of `model`'s parameters"
+    mods,dev = dict(model.named_modules()),next(iter(model.parameters()), torch.empty(0)).device
+    for name,d in saved.items():
+        m = mods.get(name)
+        if m is None: continue
+        if 'declared' in d: m.load_carried_state(d['declared'])
+        else:
+            for k,v in d['attributes'].items(): setattr(m, k, to_device(v, dev))
 def _restore_recorder(rec, saved:dict):
     "The Recorder's history and running training metrics as `Checkpoint._snapshot` saved them"
     for k,v in saved.items():
@@ -281,6 +327,8 @@ class Checkpoint(Callback):
         if getattr(self.learn.dl, 'feed', None) is None: self.learn.dl = ReadAhead(self.learn.dl)
         dl = self.learn.dl
         self._epoch_rngs = _loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
+        self._epoch_start = rng_states()   # (and from these, by loaders that draw from the global RNGs: LMDataLoader)
+        self._epoch_orders = _loader_orders(self._inner(dl))
         self._k = 0
         if self._pending is not None: self._continue(self._pending); self._pending = None
 
@@ -400,7 +448,9 @@ class Checkpoint(Callback):
             grads=[None if p.grad is None else _local(p.grad).clone() for p in params],
             opt=learn.opt.state_dict() if learn.opt is not None else None,
             scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
-            rngs=rng_states(), ahead=to_device(feed.ahead, 'cpu') if feed is not None and feed.ahead is not None else None,
+            rngs=rng_states(), epoch_rngs=self._epoch_start if where == 'mid' else None,
+            loader_orders=self._epoch_orders if where == 'mid' else _loader_orders(self._inner(learn.dls.train)),
+            carried=carried_state(model) if where == 'mid' else None, ahead=to_device(feed.ahead, 'cpu') if feed is not None and feed.ahead is not None else None,
             ahead_device=find_device(feed.ahead) if feed is not None and feed.ahead is not None else None,
             loader_rngs=self._epoch_rngs if where == 'mid' else _loader_rngs(self._inner(learn.dls.train)),
             pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0),
@@ -501,18 +551,25 @@ class Checkpoint(Callback):
         if st['where'] != 'mid':
             set_rng_states(st['rngs'])
             _set_loader_rngs(self._inner(learn.dls.train), st['loader_rngs'])
+            _set_loader_orders(self._inner(learn.dls.train), st.get('loader_orders'))
 
     def _continue(self, st:dict):
         "The epoch the checkpoint was taken in starts: its order, the batches done skipped unloaded, the RNGs as they were"
         learn = self.learn
         inner = self._inner(learn.dl)
         _set_loader_rngs(inner, st['loader_rngs'])
-        self._epoch_rngs = st['loader_rngs']
+        _set_loader_orders(inner, st.get('loader_orders'))
+        self._epoch_rngs,self._epoch_orders = st['loader_rngs'],st.get('loader_orders')
         feed = learn.dl.feed
         # the batches done, and the one read ahead (saved: made again, its random transforms would draw again), skipped
         feed.skip = st['k'] + (st['ahead'] is not None)
         if st['ahead'] is not None: feed.first = to_device(st['ahead'], st['ahead_device'])
-        set_rng_states(st['rngs'])
+        if st.get('epoch_rngs') is not None:   # the loader draws the epoch's order as at its start, then the batches
+            set_rng_states(st['epoch_rngs'])   # after the one read ahead draw from where the interrupted run was
+            self._epoch_start = st['epoch_rngs']
+            feed.then = lambda: set_rng_states(st['rngs'])
+        else: set_rng_states(st['rngs'])
+        if st.get('carried'): load_carried_state(unwrap(learn.model), st['carried'])   # (after ModelResetter's reset)
         self._k = st['k']
         # (fastai's `before_train` set these for the epoch's start after `_load`: its place in the epoch again)
         learn.pct_train,learn.train_iter = st['pct_train'],st['train_iter']

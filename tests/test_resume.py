@@ -346,3 +346,72 @@ def test_checkpoint_alone_every_optimizer_step(tmp_path):
     learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', every=3, epoch_end=False, keep=50)])
     with learn.no_logging(): learn.fit(1)   # 10 steps: a checkpoint after steps 3, 6, 9, and the one at the fit's end
     assert [read_checkpoint(f)['opt_steps'] for f in sorted((tmp_path/'ck').glob('ckpt-*.pt'))] == [3, 6, 9, 10]
+
+# -- random transforms, worker processes, language models (issue 51) ------------------------------------------------------
+_X,_Y = _data().tensors
+def _item_x(i): return _X[i] + random.random() + float(__import__('numpy').random.rand()) + torch.rand(1)   # three RNGs
+def _item_y(i): return _Y[i]
+def _noisy(t): return t + random.gauss(0, 0.1) + torch.randn_like(t)*0.01   # a batch transform (main process)
+
+def _rand_add():
+    "fastai's RandTransform: whether it applies (`do`) and by how much are drawn from Python's `random`"
+    from fastai.vision.augment import RandTransform
+    class RandAdd(RandTransform):
+        split_idx,order = 0,50
+        def before_call(self, b, split_idx): super().before_call(b, split_idx); self.v = random.random()
+        def encodes(self, x:torch.Tensor): return x + self.v if x.is_floating_point() else x
+    return RandAdd
+
+def _random_learner(cbs, workers:int):
+    from fastai.data.core import Datasets
+    from fastai.learner import Learner
+    from fastai.torch_core import set_seed
+    from helpers import MLP
+    set_seed(0)
+    RandAdd = _rand_add()
+    dls = Datasets(list(range(40)), tfms=[[_item_x, RandAdd(0.5)], [_item_y]], splits=[list(range(32)), list(range(32, 40))]
+                   ).dataloaders(bs=4, shuffle=True, num_workers=workers, after_batch=[_noisy, RandAdd(0.7)])
+    return Learner(dls, MLP(), loss_func=torch.nn.functional.mse_loss, cbs=cbs)
+
+@pytest.mark.parametrize('workers', [0, 2])
+@pytest.mark.parametrize('ga', [True, False], ids=['accumulate', 'plain'])
+@pytest.mark.parametrize('cut', [6, 17])   # mid-epoch in the first and the second of 3 epochs (8 batches each)
+def test_random_transforms_resume_bitwise(tmp_path, workers, ga, cut):
+    "Item and batch transforms drawing from `random`, numpy and torch, with worker processes too: the same batches"
+    import fastai.callback.schedule
+    acc = lambda: [GradientAccumulation(n_step=2)] if ga else []
+    def run(cbs):
+        learn = _random_learner(acc() + cbs, workers)
+        with learn.no_logging():
+            try: learn.fit_one_cycle(3, 0.05)
+            except Boom: pass
+        return learn
+    ref = run([Checkpoint(tmp_path/'ref')])
+    run([Checkpoint(tmp_path/'ck', batches=3), RaiseAt(cut)])
+    again = run([cb := Checkpoint(tmp_path/'ck', batches=3)])
+    assert cb.resumed_from is not None
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+    assert again.recorder.losses == ref.recorder.losses
+
+@pytest.mark.parametrize('cut', [7, 95])   # in the first and the second epoch (80 batches each)
+def test_language_model_resumes_bitwise(tmp_path, cut):
+    "AWD_LSTM's hidden state carried from batch to batch, and LMDataLoader's shuffle from the global `random`"
+    import apps
+    from fastai.text.all import AWD_LSTM, ColReader, ColSplitter, DataBlock, awd_lstm_lm_config, language_model_learner
+    from fastai.torch_core import set_seed
+    def run(cbs):
+        set_seed(0)
+        dls = DataBlock(blocks=apps._text_block(is_lm=True), get_x=ColReader('text'), splitter=ColSplitter()
+                        ).dataloaders(apps._texts(60, 0), bs=4, seq_len=6, shuffle=True, device='cpu', num_workers=0)
+        torch.manual_seed(0)
+        learn = language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, **apps.AWD),
+                                       drop_mult=0.5, lr=0.05, cbs=[GradientAccumulation(n_step=2)] + cbs)
+        with learn.no_logging():
+            try: learn.fit(2)
+            except Boom: pass
+        return learn
+    ref = run([Checkpoint(tmp_path/'ref')])
+    run([Checkpoint(tmp_path/'ck', batches=1), RaiseAt(cut)])
+    again = run([cb := Checkpoint(tmp_path/'ck', batches=1)])
+    assert cb.resumed_from is not None
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))

@@ -28,28 +28,44 @@ def batch_sizes(dl)->list:
 class Feed:
     """The training loader's batches as fetched, for a checkpoint taken between micro-batches (`accum_callback.checkpoint`):
     `ahead` is the batch read ahead (a reference: nothing is copied). To resume, `skip` loader batches are left out of
-    the next pass without being loaded (the loader's order is its own) and `first`, the batch the interrupted run had
-    read ahead, comes before them: the RNGs then draw for the batches after it exactly as in the interrupted run"""
-    def __init__(self): self.ahead,self.skip,self.first = None,0,None
+    the next pass and `first`, the batch the interrupted run had read ahead, comes before them; `then()` runs once the
+    loader has drawn the pass's order and left those batches out (the resumed RNG states go in there: the loader draws
+    its order from the epoch's start, the batches after it draw as in the interrupted run). A fastai loader without
+    worker processes leaves them out unloaded (its indices cut); one with workers, or any other loader, makes them
+    again and drops them, so that each worker's RNG stream follows the batches it makes as in the interrupted run"""
+    def __init__(self): self.ahead,self.skip,self.first,self.then = None,0,None,None
     def __call__(self, dl):
-        skip,first,self.skip,self.first = self.skip,self.first,0,None
-        undo = _skip_batches(dl, skip) if skip else None
-        if first is not None: self.ahead = first; yield first
+        skip,first,then,self.skip,self.first,self.then = self.skip,self.first,self.then,0,None,None
+        drop = skip if skip and (_workers(dl) or not can_skip(dl)) else 0
+        undo = _skip_batches(dl, skip, then) if skip and not drop else None
+        if drop == 0 and undo is None and then is not None: then()
+        if first is not None and not drop: self.ahead = first; yield first
         for b in dl:
             if undo is not None: undo(); undo = None
+            if drop:
+                drop -= 1
+                if drop == 0:
+                    if then is not None: then()
+                    if first is not None: self.ahead = first; yield first
+                continue
             self.ahead = b; yield b
         if undo is not None: undo()
         self.ahead = None
 
-def _skip_batches(dl, k:int):
+def _workers(dl)->bool:
+    "Does `dl` load in worker processes?"
+    return (getattr(dl, 'num_workers', 0) or 0) > 0
+
+def _skip_batches(dl, k:int, then=None):
     """Leave the first `k` batches out of `dl`'s next pass, unloaded: its indices, as fastai's loaders (and
-    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole).
-    Returns what to undo once the pass has started"""
-    if not can_skip(dl):
-        raise ValueError("a checkpoint mid-epoch needs a fastai loader with a batch size (its indices are cut to skip the "
-                         f"batches done); {type(dl).__name__} has none: checkpoint at epoch ends")
+    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole); `then()`
+    once they are drawn. Returns what to undo once the pass has started"""
     orig = dl.get_idxs
-    def get_idxs(): dl.__dict__.pop('get_idxs', None); return list(orig())[k*dl.bs:]
+    def get_idxs():
+        dl.__dict__.pop('get_idxs', None)
+        idxs = list(orig())[k*dl.bs:]
+        if then is not None: then()
+        return idxs
     dl.get_idxs = get_idxs
     # torch's loader iterator draws a seed from the global RNG when it starts: the interrupted run drew it at the
     # epoch's start (the RNG states saved include it), so the resumed pass draws it from a generator of its own
