@@ -5,10 +5,11 @@ newest good checkpoint, bitwise where the run is deterministic (docs/resume.md).
 What is saved: the model (parameters and buffers) and the gradients a window has accumulated so far, the optimizer
 with fastai's hyper-parameters, the grad scaler, every global RNG (Python, numpy, torch CPU and CUDA) and the training
 loader's (its order of the epoch, drawn at the epoch's start), the place in the fit (epoch, loader batches done,
-`pct_train`, the schedule's clock in windows), the Recorder's history, the state of each callback of ours
-(`state_dict()`: the window and its logs, `MicroBatching`'s size, `BatchNormAccumulation`'s pooled statistics or
-momenta, `GradientNoiseScale`'s averages and its schedules' values) and fastai's trackers' (`EarlyStopping`,
-`SaveModelCallback`, `ReduceLROnPlateau`: best value and patience). Written atomically (`files.atomic_write`) with a
+`pct_train`, the schedule's clock in windows), the Recorder's history, the model's carried state (AWD_LSTM's hidden),
+and the state of every callback with `state_dict()`/`load_state_dict()` (ours: the window and its logs,
+`MicroBatching`'s size, `BatchNormAccumulation`'s pooled statistics or momenta, `GradientNoiseScale`'s averages and its
+schedules' values; a user's) and fastai's trackers' (`EarlyStopping`, `SaveModelCallback`, `ReduceLROnPlateau`: best
+value and patience). Written atomically (`files.atomic_write`) with a
 CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
 from __future__ import annotations
 import collections, enum, io, json, math, os, pickle, re, signal, struct, tempfile, threading, time, warnings, zlib
@@ -30,14 +31,31 @@ from .files import atomic_write
 from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching, stateful_modules
 from .micro.loader import ReadAhead, can_skip
-from .noise import GradientNoiseScale
 from .schedule import whole_number
 from .window import Phase, StepRecord
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
 
 _MAGIC = b'ACKPT1\n'
-_OURS = (GradientAccumulation, MicroBatching, BatchNormAccumulation, GradientNoiseScale)
+def _callback_states(learn, skip)->list:
+    """`(key, callback, get, put)` for every callback on `learn` whose state a checkpoint keeps, by the protocol: one
+    with `state_dict()`/`load_state_dict()` (ours, and any user's), and fastai's trackers (`EarlyStoppingCallback`,
+    `SaveModelCallback`, `ReduceLROnPlateau`: their best value and patience) through a small adapter. Keyed by the
+    callback's fastai name (`#2`... for a second one of a name), so that a resumed Learner finds each by what it is"""
+    out,seen = [],{}
+    for cb in learn.cbs:
+        if cb is skip: continue
+        # (looked up on the class: a fastai callback passes unknown names on to the Learner, and it to the model)
+        if callable(getattr(type(cb), 'state_dict', None)) and callable(getattr(type(cb), 'load_state_dict', None)):
+            get,put = cb.state_dict,cb.load_state_dict
+        elif isinstance(cb, TrackerCallback):
+            get = lambda cb=cb: {k: getattr(cb, k) for k in ('best', 'wait', 'new_best') if hasattr(cb, k)}
+            put = lambda d, cb=cb: cb.__dict__.update(d)
+        else: continue
+        name = getattr(cb, 'name', type(cb).__name__)
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name if seen[name] == 1 else f'{name}#{seen[name]}', cb, get, put))
+    return out
 
 class CheckpointError(ValueError):
     "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
@@ -290,6 +308,8 @@ class Checkpoint(Callback):
         except OSError as e:
             raise ValueError(f"Checkpoint: cannot write in `path` {folder} ({type(e).__name__}: {e.strerror or e}): give "
                              "a folder this process can write to") from None
+        # every callback's state as a checkpoint can hold it (refused now, naming it, not at the first save)
+        _plain_state({k: get() for k,_,get,_ in _callback_states(self.learn, self)}, "state['callbacks']")
 
     def before_fit(self):
         # `lr_find` is a fit of its own that puts the weights back: neither counted nor saved
@@ -456,9 +476,7 @@ class Checkpoint(Callback):
             pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0),
             recorder=dict({k: getattr(rec, k) for k in ('lrs', 'iters', 'losses', 'values') if hasattr(rec, k)},
                           smooth=_plain(rec.smooth_loss), mets=mets),
-            callbacks={type(cb).__name__: cb.state_dict() for cb in learn.cbs if isinstance(cb, _OURS)},
-            trackers={f'{i}:{type(cb).__name__}': {k: getattr(cb, k) for k in ('best', 'wait', 'new_best') if hasattr(cb, k)}
-                      for i,cb in enumerate(learn.cbs) if isinstance(cb, TrackerCallback)})
+            callbacks={k: get() for k,_,get,_ in _callback_states(learn, self)})
 
     def _save(self, where:str):
         self.serial += 1
@@ -541,11 +559,8 @@ class Checkpoint(Callback):
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         if st['scaler'] is not None and mp is not None and getattr(mp, 'scaler', None) is not None: mp.scaler.load_state_dict(st['scaler'])
         _restore_recorder(learn.recorder, st['recorder'])
-        for cb in learn.cbs:
-            if isinstance(cb, _OURS) and type(cb).__name__ in st['callbacks']: cb.load_state_dict(st['callbacks'][type(cb).__name__])
-        for i,cb in enumerate(learn.cbs):
-            d = st['trackers'].get(f'{i}:{type(cb).__name__}')
-            if d: cb.__dict__.update(d)
+        for k,_,_,put in _callback_states(learn, self):
+            if k in st['callbacks']: put(st['callbacks'][k])
         learn.epoch,learn.pct_train,learn.train_iter = st['epoch'],st['pct_train'],st['train_iter']
         self._opt_steps = self._last_steps = st.get('opt_steps', 0)
         if st['where'] != 'mid':

@@ -98,7 +98,7 @@ def refuse_at_fit_start(learn):
     it was (no cut loader, no wrapper, no hook), whichever of ours refuses"""
     refuse_twins(learn)
     for cb in learn.cbs.sorted('order'):   # (the protocol: a callback with a `refuse_fit()`, ours or a user's)
-        if callable(getattr(cb, 'refuse_fit', None)): cb.refuse_fit()
+        if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # (on the class: fastai passes names on)
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

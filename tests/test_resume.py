@@ -415,3 +415,31 @@ def test_language_model_resumes_bitwise(tmp_path, cut):
     again = run([cb := Checkpoint(tmp_path/'ck', batches=1)])
     assert cb.resumed_from is not None
     assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+
+# -- state as a protocol (issue 51) ------------------------------------------------------------------------------------------
+class _Counting:
+    "A user's callback with state: the training batches it has seen (and their losses), kept by `state_dict()`"
+    def __new__(cls, bad=False):
+        from fastai.callback.core import Callback
+        class Counting(Callback):
+            order = 70
+            def __init__(self): self.n,self.total = 0,torch.zeros(())
+            def after_batch(self):
+                if self.training: self.n += 1; self.total = self.total + self.learn.loss.detach()
+            def state_dict(self): return dict(n=self.n, total=self.total, **({'what': object()} if bad else {}))
+            def load_state_dict(self, sd): self.n,self.total = sd['n'],sd['total']
+        return Counting()
+
+def test_a_users_callback_state_is_saved_and_restored_by_its_protocol(tmp_path):
+    ref = make_learner(_data(), 4, cbs=[c0 := _Counting()])
+    with ref.no_logging(): ref.fit(2)
+    learn = make_learner(_data(), 4, cbs=[_Counting(), Checkpoint(tmp_path/'ck', batches=3), RaiseAt(13)])
+    with learn.no_logging(), pytest.raises(Boom): learn.fit(2)
+    again = make_learner(_data(), 4, cbs=[c := _Counting(), Checkpoint(tmp_path/'ck', batches=3)])
+    with again.no_logging(): again.fit(2)
+    assert (c.n, float(c.total)) == (c0.n, float(c0.total)) == (20, float(c0.total))
+    bad = make_learner(_data(), 4, cbs=[_Counting(bad=True), Checkpoint(tmp_path/'bad', batches=3)])
+    w = [p.detach().clone() for p in bad.model.parameters()]
+    with bad.no_logging(), pytest.raises(CheckpointError, match=r"\['callbacks'\]\['counting'\]\['what'\] holds a builtins.object"):
+        bad.fit(1)   # refused when the fit starts: nothing trained
+    assert all(torch.equal(a, b) for a,b in zip(w, bad.model.parameters()))
