@@ -443,3 +443,54 @@ def test_a_users_callback_state_is_saved_and_restored_by_its_protocol(tmp_path):
     with bad.no_logging(), pytest.raises(CheckpointError, match=r"\['callbacks'\]\['counting'\]\['what'\] holds a builtins.object"):
         bad.fit(1)   # refused when the fit starts: nothing trained
     assert all(torch.equal(a, b) for a,b in zip(w, bad.model.parameters()))
+
+# -- the job at its default 3 epochs, killed in each (issue 51) --------------------------------------------------------------
+@pytest.fixture(scope='module')
+def job_ref(tmp_path_factory, cache_dir):
+    "The uninterrupted job at 3 epochs (its metrics and exported weights), once for the module"
+    import os
+    from unittest import mock
+    out = tmp_path_factory.mktemp('job3')/'ref'
+    with mock.patch.dict(os.environ, {'ACCUM_CALLBACK_CACHE': str(cache_dir)}):
+        p = _job(out, '--epochs', '3'); _,err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    return out
+
+def _newest_epoch(folder:Path):
+    for f in sorted(folder.glob('ckpt-*.pt'), reverse=True):
+        try: return read_checkpoint(f)['epoch']
+        except (OSError, CheckpointError): continue   # (removed or being replaced while read)
+    return None
+
+def _killed_in_epoch(tmp_path, epoch:int, sig):
+    "The job at 3 epochs, killed by `sig` once its checkpoints are in epoch `epoch` (from 0), then resumed"
+    out = tmp_path/'cut'
+    cut = _job(out, '--epochs', '3')
+    t0 = time.monotonic()
+    while (_newest_epoch(out/'checkpoints') or -1) < epoch:
+        assert cut.poll() is None and time.monotonic() - t0 < 300, cut.communicate()
+        time.sleep(0.02)
+    cut.send_signal(sig)
+    _,err = cut.communicate(timeout=120)
+    assert cut.returncode == (143 if sig == signal.SIGTERM else -9), err
+    again = _job(out, '--epochs', '3', '--resume'); _,err = again.communicate(timeout=600)
+    assert again.returncode == 0, err
+    return out
+
+def _same_job(ref:Path, out:Path):
+    a,b = (json.loads((d/'metrics.json').read_text()) for d in (ref, out))
+    assert 'resumed_from' in b and a['accuracy_per_epoch'] == b['accuracy_per_epoch'] and a['valid_loss'] == b['valid_loss']
+    assert a['optimizer_steps'] == b['optimizer_steps']
+    from fastai.learner import load_learner
+    ma,mb = (load_learner(d/'model.pkl', cpu=True).model.state_dict() for d in (ref, out))
+    assert all(torch.equal(ma[k], mb[k]) for k in ma), 'the resumed job exported other weights'
+
+@pytest.mark.parametrize('epoch,sig', [(1, signal.SIGKILL), (2, signal.SIGTERM)], ids=['kill-epoch2', 'term-epoch3'])
+def test_the_job_at_three_epochs_resumes_past_the_first(tmp_path, job_ref, cache, epoch, sig):
+    _same_job(job_ref, _killed_in_epoch(tmp_path, epoch, sig))
+
+@pytest.mark.slow
+@pytest.mark.parametrize('epoch', [0, 1, 2])
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['kill', 'term'])
+def test_the_job_at_three_epochs_killed_in_each_epoch(tmp_path, job_ref, cache, epoch, sig):
+    _same_job(job_ref, _killed_in_epoch(tmp_path, epoch, sig))
