@@ -254,7 +254,7 @@ class Checkpoint(Callback):
     (relative: under `learn.path`). Run the same fit again and it resumes from the newest good checkpoint (`resume`),
     a finished fit's epochs are not run again; a checkpoint of another fit (window size, loader, world size, model) is
     refused naming what changed (`strict=False` accepts all but a model of other shapes)."""
-    order,run_valid = 95,True   # after the Recorder (50) and the progress bar (60): their batch is done when we save
+    order,run_valid,_only_train_loop = 95,True,True   # after the Recorder (50) and the progress bar (60): their batch is done when we save; not in summary()'s pass
 
     def __init__(self,
         path='checkpoints', # folder of the checkpoints (under `learn.path` if relative); one per fit run

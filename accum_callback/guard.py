@@ -35,30 +35,33 @@ class Listeners(list):
         for f in list(self): f(*args)
 
 class FitGuard:
-    """Wraps `learn._do_epoch` for the length of a `fit` (fastai looks it up once per epoch, after `before_fit`):
-    every exception leaving an epoch calls each registered `cleanup(exc)`; one that ends the fit without `after_fit`
-    also removes the guard, so the Learner is left as it was (and still pickles)."""
+    """Wraps `learn._with_events` for the length of a `fit` (fastai looks it up for every epoch, after `before_fit`),
+    acting on the epoch level only: every exception leaving an epoch, whether raised in `before_epoch`, in training,
+    validation or `after_epoch` (fastai's metrics, `ShowGraphCallback`, `SaveModelCallback`, a notebook's stop button
+    there), calls each registered `cleanup(exc)`; one that ends the fit without `after_fit` also removes the guard, so
+    the Learner is left as it was (and still pickles)."""
     def __init__(self, learn):
-        self.learn,self.orig,self.cleanups = learn,learn._do_epoch,{}
-    def __call__(self):
-        try: return self.orig()
+        self.learn,self.orig,self.cleanups = learn,learn._with_events,{}
+    def __call__(self, f, event_type, ex, final=lambda: None):
+        if event_type != 'epoch': return self.orig(f, event_type, ex, final)
+        try: return self.orig(f, event_type, ex, final)
         except BaseException as e:
-            for f in list(self.cleanups.values()): f(e)
-            if not isinstance(e, CANCELS): self.learn.__dict__.pop('_do_epoch', None)
+            for c in list(self.cleanups.values()): c(e)
+            if not isinstance(e, CANCELS): self.learn.__dict__.pop('_with_events', None)
             raise
 
 def add_fit_guard(learn, key, cleanup):
     "Call `cleanup(exc)` when an exception leaves an epoch of this `fit`; `key` names it for `remove_fit_guard`"
-    g = learn.__dict__.get('_do_epoch')
-    if not isinstance(g, FitGuard): g = learn._do_epoch = FitGuard(learn)
+    g = learn.__dict__.get('_with_events')
+    if not isinstance(g, FitGuard): g = learn._with_events = FitGuard(learn)
     g.cleanups[key] = cleanup
 
 def remove_fit_guard(learn, key):
     "Forget `key`'s clean-up; the guard goes once it has none"
-    g = learn.__dict__.get('_do_epoch')
+    g = learn.__dict__.get('_with_events')
     if not isinstance(g, FitGuard): return
     g.cleanups.pop(key, None)
-    if not g.cleanups: del learn.__dict__['_do_epoch']
+    if not g.cleanups: del learn.__dict__['_with_events']
 
 # -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
 def one_per_learner(hint:str):

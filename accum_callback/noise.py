@@ -65,7 +65,7 @@ class GradientNoiseScale(Callback):
 
     A window of one micro-batch has nothing to compare and is not counted. BatchNorm in training couples the samples of
     a micro-batch and dropout adds noise of its own: both bias the estimate (docs/noise_scale.md)."""
-    order,run_valid = GradientAccumulation.order+1,False   # the window's gradient is final (scaled by ours), not yet unscaled
+    order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # the window's gradient is final (scaled by ours), not yet unscaled
 
     def __init__(self,
         beta:float=0.98, # moving-average weight of the last estimate is 1-beta (bias-corrected, as Adam's): ~50 windows

@@ -60,7 +60,7 @@ _NAMES = ('gradient_accumulation', 'micro_batching', 'batch_norm_accumulation', 
 
 def _learner_state(learn):
     "What a refused fit must leave as it was: the callbacks, the attributes naming ours, fastai's methods not wrapped by ours"
-    return sorted(type(c).__name__ for c in learn.cbs), [id(getattr(learn, n, None)) for n in _NAMES], sorted(k for k in ('one_batch', '_do_epoch', 'dl') if k in learn.__dict__)
+    return sorted(type(c).__name__ for c in learn.cbs), [id(getattr(learn, n, None)) for n in _NAMES], sorted(k for k in ('one_batch', '_with_events', '_do_epoch', 'dl') if k in learn.__dict__)
 
 def _bn_model():
     torch.manual_seed(0)
@@ -278,7 +278,7 @@ def test_grads_clean_when_fit_ends_mid_window(exc):
     try: fit_quiet(learn, 2)
     except (KeyboardInterrupt, RuntimeError): pass
     assert grads_clean(learn.model)
-    assert '_do_epoch' not in learn.__dict__               # the guard is gone, the Learner still pickles
+    assert '_with_events' not in learn.__dict__            # the guard is gone, the Learner still pickles
     learn.remove_cb(Boom)
     spy = WindowSpy(); learn.add_cb(spy); fit_quiet(learn, 1)
     assert max(spy.errs) <= TOL and spy.windows == [16, 16, 8]

@@ -146,7 +146,7 @@ def test_restored_after_cancel_and_error(mode, exc):
     for bn in bns(model):
         assert bn.momentum == 0.2 and not bn._forward_hooks and not bn._forward_pre_hooks
         assert bn.training == model.l1.training
-    assert '_do_epoch' not in learn.__dict__
+    assert '_with_events' not in learn.__dict__
     learn.remove_cb(learn.stop); learn.fit(1)   # a clean fit afterwards
     assert all(bn.momentum == 0.2 for bn in bns(model))
 

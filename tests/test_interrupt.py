@@ -1,0 +1,90 @@
+"""A fit that ends by any exception at any event (a notebook's stop button: `KeyboardInterrupt`; another callback's
+error) leaves the model and the Learner as before the fit: BatchNorm's modes, momenta and hooks, the Learner's
+callbacks and loaders, a model that pickles; a new Learner on the same model trains as on a clean copy (issue 51)."""
+import copy, pickle
+import pytest
+import torch, torch.nn as nn
+from torch.utils.data import TensorDataset
+from fastai.callback.core import Callback
+from fastai.learner import Learner
+
+from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, GradientNoiseScale
+from helpers import make_dls
+
+EVENTS = ('before_fit', 'before_epoch', 'before_train', 'before_batch', 'after_pred', 'after_loss', 'before_backward',
+          'after_backward', 'before_step', 'after_step', 'after_batch', 'after_train', 'before_validate', 'after_validate',
+          'after_epoch', 'after_fit')
+
+class Stop(Callback):
+    "Raises `exc` at the first `event` it sees (order 99: after every callback of ours, as fastai's own come)"
+    order = 99
+    def __init__(self, event, exc): self.event,self.exc,self.done = event,exc,False
+    def __call__(self, event_name):
+        if event_name == self.event and not self.done and getattr(self.learn, 'lock', None) is not None and not self.learn.lock.locked():
+            self.done = True; raise self.exc
+        return super().__call__(event_name)
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4*6*6, 3))
+
+def _data(n=32):
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 1, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+CONFIGS = {
+    'pool': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('pool')],
+    'momentum': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('momentum')],
+    'freeze': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('freeze')],
+    'auto': lambda: [GradientAccumulation(n_step=2, micro_bs='auto')],
+    'noise': lambda: [GradientAccumulation(n_step=2), GradientNoiseScale()],
+    'checkpoint': lambda: [GradientAccumulation(n_step=2), Checkpoint('ck', batches=2)],
+}
+
+def _snapshot(learn):
+    m = learn.model
+    bns = [b for b in m.modules() if isinstance(b, nn.BatchNorm2d)]
+    return dict(momenta=[b.momentum for b in bns], requires_grad=[p.requires_grad for p in m.parameters()],
+                hooks=[(len(x._forward_hooks), len(x._forward_pre_hooks), len(x._backward_hooks)) for x in m.modules()],
+                cbs=[type(c).__name__ for c in learn.cbs], metrics=list(learn.metrics), patched=sorted(k for k in
+                ('_with_events', '_do_epoch', 'one_batch', 'dl', 'get_preds') if k in learn.__dict__ and k != 'dl' or
+                (k == 'dl' and type(learn.__dict__.get('dl')).__module__.startswith('accum_callback'))))
+
+# before_fit: fastai runs it before the first epoch, outside everything a callback can wrap from its own `before_fit`
+# (the fit-level `_with_events` is looked up before it): an exception from a callback ordered after ours, in that
+# event, leaves what ours set up there. Shown, not hidden: the limit docs/resume.md states
+_BEFORE_FIT = pytest.mark.xfail(strict=True, reason="an exception in a later callback's before_fit: the stated limit")
+@pytest.mark.parametrize('event', [pytest.param(e, marks=_BEFORE_FIT) if e == 'before_fit' else e for e in EVENTS])
+@pytest.mark.parametrize('config', list(CONFIGS))
+@pytest.mark.parametrize('exc', [KeyboardInterrupt, RuntimeError], ids=['interrupt', 'error'])
+def test_an_exception_at_any_event_leaves_everything_as_before(tmp_path, config, event, exc):
+    learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path, cbs=CONFIGS[config]())
+    before = _snapshot(learn)
+    learn.add_cb(Stop(event, exc('stopped here')))
+    with learn.no_logging(), pytest.raises(exc, match='stopped here'): learn.fit(1)
+    learn.remove_cb(learn.cbs[-1])   # (the Stop callback)
+    after = _snapshot(learn)
+    assert after == before
+    pickle.dumps(learn.model); copy.deepcopy(learn.model)
+    # a new Learner on the same model trains as on a clean copy of it
+    clean = _model(); clean.load_state_dict(learn.model.state_dict())
+    a = Learner(make_dls(_data(), 4), learn.model, loss_func=nn.CrossEntropyLoss(), path=tmp_path/'a')
+    b = Learner(make_dls(_data(), 4), clean, loss_func=nn.CrossEntropyLoss(), path=tmp_path/'b')
+    for l in (a, b):
+        torch.manual_seed(3)
+        with l.no_logging(): l.fit(1)
+    assert all(torch.equal(x, y) for x,y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+
+def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path):
+    import fastai.callback.schedule, fastai.callback.hook   # (lr_find, summary)
+    cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', batches=2)]
+    learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path, cbs=cbs)
+    before = _snapshot(learn)
+    learn.summary()   # (fastai's summary takes the `_only_train_loop` callbacks off and adds them back at the end)
+    sort = lambda d: {**d, 'cbs': sorted(d['cbs'])}
+    assert sort(_snapshot(learn)) == sort(before), 'summary() left callbacks or the model changed'
+    before = _snapshot(learn)
+    with learn.no_logging(): learn.lr_find(num_it=5, show_plot=False)
+    assert _snapshot(learn) == before and not list((tmp_path/'ck').glob('*.pt'))   # lr_find is no fit to checkpoint
+    with learn.no_logging(): learn.fit(1)
+    learn.get_preds(); assert _snapshot(learn) == before
