@@ -88,3 +88,58 @@ def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path):
     assert _snapshot(learn) == before and not list((tmp_path/'ck').glob('*.pt'))   # lr_find is no fit to checkpoint
     with learn.no_logging(): learn.fit(1)
     learn.get_preds(); assert _snapshot(learn) == before
+
+# -- the stop button of a live Jupyter kernel -----------------------------------------------------------------------------------
+_KERNEL_SETUP = '''
+import sys, json, time, torch, torch.nn as nn
+sys.path[:0] = [{tests!r}]
+from fastai.callback.core import Callback
+from fastai.learner import Learner
+from accum_callback import BatchNormAccumulation, GradientAccumulation, GradientNoiseScale
+from helpers import make_dls
+from test_interrupt import _data, _model, _snapshot
+class SlowEpochEnd(Callback):   # a callback busy at after_epoch (a metric, a plot, a save), where the button is pressed
+    order = 99
+    def after_epoch(self):
+        open({ready!r}, 'w').write('ready'); time.sleep(120)
+learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path={path!r},
+                cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), GradientNoiseScale(), SlowEpochEnd()])
+before = _snapshot(learn)
+'''
+
+def test_the_stop_button_of_a_live_kernel_at_after_epoch(tmp_path):
+    "A notebook's stop button (the kernel's interrupt, SIGINT) while a callback runs at after_epoch: everything as before"
+    import time
+    jupyter_client = pytest.importorskip('jupyter_client')
+    from pathlib import Path
+    ready = tmp_path/'ready'
+    km,kc = jupyter_client.manager.start_new_kernel(kernel_name='python3', cwd=str(tmp_path))
+    try:
+        def run(code, timeout=120):
+            out = []
+            def hook(msg):
+                if msg['msg_type'] == 'stream': out.append(msg['content']['text'])
+                elif msg['msg_type'] == 'error': out.append(msg['content']['ename'])
+            reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+            return reply['content']['status'],''.join(out)
+        status,out = run(_KERNEL_SETUP.format(tests=str(Path(__file__).parent), ready=str(ready), path=str(tmp_path)))
+        assert status == 'ok', out
+        kc.execute('learn.fit(2)')
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert time.monotonic() - t0 < 120, 'the fit did not reach after_epoch'
+            time.sleep(0.05)
+        km.interrupt_kernel()
+        t0 = time.monotonic()
+        while True:   # the fit's cell ends with KeyboardInterrupt
+            msg = kc.get_shell_msg(timeout=60)
+            if msg['msg_type'] == 'execute_reply': break
+        assert msg['content']['status'] == 'error' and msg['content']['ename'] == 'KeyboardInterrupt', msg['content']
+        status,out = run("import pickle; pickle.dumps(learn.model); "
+                         "print(json.dumps(dict(same=_snapshot(learn) == before, patched=sorted(learn.__dict__.keys() & "
+                         "{'_with_events', '_do_epoch'}), momenta=[b.momentum for b in learn.model.modules() if isinstance(b, nn.BatchNorm2d)])))")
+        assert status == 'ok', out
+        res = __import__('json').loads(out.strip().splitlines()[-1])
+        assert res == dict(same=True, patched=[], momenta=[0.1]), res
+    finally:
+        kc.stop_channels(); km.shutdown_kernel(now=True)
