@@ -28,7 +28,7 @@ from .batchnorm import BatchNormAccumulation
 from .compat import rng_states, set_rng_states
 from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
 from .files import atomic_write
-from .guard import CANCELS, add_fit_guard, in_inference, refuse_at_fit_start, remove_fit_guard
+from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching, stateful_modules
 from .micro.loader import ReadAhead, can_skip
 from .schedule import whole_number
@@ -324,7 +324,11 @@ class Checkpoint(Callback):
         self._fit_args = {}; self._fit_args = self._fit_arguments()
         self._install_signals()
         add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit())
-        if self.resume: self._resume()
+        try:
+            if self.resume: self._resume()
+        except BaseException as e:   # a refused resume: the callbacks of ours before this one have set up already
+            fail_fit(self.learn, e)
+            raise
 
     def after_fit(self):
         if getattr(self, '_off', True): return

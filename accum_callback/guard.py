@@ -11,7 +11,7 @@ from fastcore.basics import camel2snake
 from .compat import compiled_with_cuda_graphs
 from .distributed import check_fsdp
 
-__all__ = ['FitGuard', 'add_fit_guard', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
@@ -55,6 +55,14 @@ def add_fit_guard(learn, key, cleanup):
     g = learn.__dict__.get('_with_events')
     if not isinstance(g, FitGuard): g = learn._with_events = FitGuard(learn)
     g.cleanups[key] = cleanup
+
+def fail_fit(learn, exc):
+    """`exc` ends the fit in `before_fit` (a refusal of a callback ordered after others of ours, which have set up
+    already): every registered clean-up runs now and the guard goes, as if it had left an epoch"""
+    g = learn.__dict__.get('_with_events')
+    if not isinstance(g, FitGuard): return
+    for c in list(g.cleanups.values()): c(exc)
+    learn.__dict__.pop('_with_events', None)
 
 def remove_fit_guard(learn, key):
     "Forget `key`'s clean-up; the guard goes once it has none"

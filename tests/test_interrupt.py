@@ -143,3 +143,20 @@ def test_the_stop_button_of_a_live_kernel_at_after_epoch(tmp_path):
         assert res == dict(same=True, patched=[], momenta=[0.1]), res
     finally:
         kc.stop_channels(); km.shutdown_kernel(now=True)
+
+def test_a_refused_resume_leaves_everything_as_before(tmp_path):
+    "Checkpoint refuses a resume in before_fit, after 'pool' and micro_bs='auto' have set up: they are put back"
+    from accum_callback.checkpoint import CheckpointError
+    class Boom(Callback):
+        order = 99
+        def after_batch(self):
+            if self.training and self.iter == 3: raise RuntimeError('cut')
+    learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path,
+                    cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), Checkpoint('ck', batches=1), Boom()])
+    with learn.no_logging(), pytest.raises(RuntimeError, match='cut'): learn.fit(1)
+    again = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path,
+                    cbs=[GradientAccumulation(n_step=4, micro_bs='auto'), BatchNormAccumulation('pool'), Checkpoint('ck')])
+    before = _snapshot(again)
+    with again.no_logging(), pytest.raises(CheckpointError, match='window'): again.fit(1)
+    assert _snapshot(again) == before
+    pickle.dumps(again.model)
