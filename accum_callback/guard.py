@@ -1,12 +1,9 @@
 """Fit bookkeeping shared by the callbacks: what a fit is refused for (checked before any of ours sets anything up),
 clean-up when an exception leaves `fit`, and telling a fit from inference"""
 from __future__ import annotations
-import re
 
 from fastai.callback.core import CancelEpochException, CancelFitException
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from fastai.learner import Learner
-from fastcore.basics import camel2snake
 
 from .compat import compiled_with_cuda_graphs
 from .distributed import check_fsdp
@@ -73,19 +70,20 @@ def remove_fit_guard(learn, key):
 
 # -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
 def one_per_learner(hint:str):
-    """Class decorator for our callbacks: a Learner holds one (`refuse_twins`; `hint` says how to add it once), and
-    `learn.<its name>` is read from `learn.cbs`. fastai's `add_cb` sets that attribute and `remove_cb` deletes it, so
-    with two callbacks of a name, removing either (the one a refused `fit(cbs=...)` added) took the other's too"""
+    """Class decorator for our callbacks: a Learner holds one (`refuse_twins`; `hint` says how to add it once). Nothing
+    is set on fastai's classes: `learn.<its name>` is fastai's own attribute (set by `add_cb`), pointed back at the
+    callback at each fit start where fastai's `remove_cb` of a refused twin (`fit(cbs=...)`) deleted it"""
     def deco(cls):
         cls.one_per_learner = hint
-        name = camel2snake(re.sub('Callback$', '', cls.__name__))   # fastai's `Callback.name`
-        def get(learn):
-            cb = next((c for c in learn.__dict__.get('cbs', ()) if c.name == name), None)
-            if cb is None: raise AttributeError(name)
-            return cb
-        setattr(Learner, name, property(get, lambda learn, cb: None, lambda learn: None))
+        named = cls.name   # fastai's `Callback.name` (a property): a refused twin answers to another name (`refuse_twins`)
+        cls.name = property(lambda self: named.fget(self) + ('_twin' if self.__dict__.get('_twin') else ''))
         return cls
     return deco
+
+def name_callbacks(learn):
+    "`learn.<name>` for each callback of ours on `learn` (fastai's `remove_cb` of a twin of the same name deletes it)"
+    for cb in learn.cbs:
+        if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
 
 def _own_class(cb):
     "The class of ours that `cb` is (or subclasses) if it is one a Learner may hold once, else None"
@@ -97,6 +95,12 @@ def refuse_twins(learn):
     seen = {}
     for i,cb in enumerate(learn.cbs):
         if (c := _own_class(cb)) is not None: seen.setdefault(c, []).append(i)
+    # fastai's `remove_cb` deletes `learn.<name>` of the twin it removes (a `fit(cbs=...)`'s, after this refusal): the
+    # twins (of every class) answer to another name, so that `learn.<name>` stays the first one's
+    for c,idx in seen.items():
+        if len(idx) > 1:
+            for i in idx[1:]: learn.cbs[i].__dict__['_twin'] = True
+            setattr(learn, learn.cbs[idx[0]].name, learn.cbs[idx[0]])
     for c,idx in seen.items():
         if len(idx) > 1:
             raise ValueError(f"This Learner has {len(idx)} `{c.__name__}` callbacks (`learn.cbs[{idx[0]}]` and `learn.cbs"
@@ -110,6 +114,7 @@ def refuse_at_fit_start(learn):
     refuse_twins(learn)
     for cb in learn.cbs.sorted('order'):   # (the protocol: a callback with a `refuse_fit()`, ours or a user's)
         if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # (on the class: fastai passes names on)
+    name_callbacks(learn)
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

@@ -59,8 +59,10 @@ def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_stil
 _NAMES = ('gradient_accumulation', 'micro_batching', 'batch_norm_accumulation', 'gradient_noise_scale')
 
 def _learner_state(learn):
-    "What a refused fit must leave as it was: the callbacks, the attributes naming ours, fastai's methods not wrapped by ours"
-    return sorted(type(c).__name__ for c in learn.cbs), [id(getattr(learn, n, None)) for n in _NAMES], sorted(k for k in ('one_batch', '_with_events', '_do_epoch', 'dl') if k in learn.__dict__)
+    """What a refused fit must leave as it was: the callbacks, the attributes naming ours (each one of the Learner's
+    callbacks, of its class: with twins on the Learner, the first), fastai's methods not wrapped by ours"""
+    names = [(type(getattr(learn, n, None)).__name__, getattr(learn, n, None) is None or any(getattr(learn, n) is c for c in learn.cbs)) for n in _NAMES]
+    return sorted(type(c).__name__ for c in learn.cbs), names, sorted(k for k in ('one_batch', '_with_events', '_do_epoch', 'dl') if k in learn.__dict__)
 
 def _bn_model():
     torch.manual_seed(0)

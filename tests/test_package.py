@@ -138,3 +138,20 @@ def test_lower_bounds_are_the_versions_ci_runs_the_oldest_tier_on():
     for k,v in claims.items():
         n = 3 if k == 'fastai' else 2
         assert oldest[k].split('.')[:n] == v.split('.')[:n], f'{k}: setup.cfg says >={v}, CI tests {oldest[k]}'
+
+def test_importing_the_package_adds_only_plain_functions_to_fastais_learner():
+    """`import accum_callback` (every module loaded) changes nothing of fastai's `Learner` class but adding plain
+    functions (fastcore's `@patch`), each listed in docs/api.md as `Learner.<name>`: no property, no replaced method"""
+    code = ("import warnings, json, types; warnings.filterwarnings('ignore')\n"
+            "from fastai.learner import Learner\nimport fastai.vision.all\n"
+            "before = dict(Learner.__dict__)\n"
+            "import accum_callback; accum_callback.GradientAccumulation\n"
+            "after = dict(Learner.__dict__)\n"
+            "print(json.dumps(dict(added={k: isinstance(v, types.FunctionType) for k,v in after.items() if k not in before},\n"
+            "    changed=[k for k in before if after.get(k) is not before[k]])))")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = __import__('json').loads(r.stdout.strip().splitlines()[-1])
+    assert res['changed'] == [] and res['added'] and all(res['added'].values()), res
+    api = (ROOT/'docs'/'api.md').read_text()
+    assert all(f'## `Learner.{k}`' in api for k in res['added']), [k for k in res['added'] if f'## `Learner.{k}`' not in api]
