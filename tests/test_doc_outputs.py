@@ -37,9 +37,9 @@ def test_the_readme_quotes_the_benchmarks_as_bench_md_records_them():
     """The README's measured guarantees that come from a benchmark script quote docs/bench.md (the one source of the
     timings, with their date and machine): every such number is found there"""
     readme,bench = (ROOT/'README.md').read_text(),(ROOT/'docs'/'bench.md').read_text()
-    table = readme[readme.index('## Measured guarantees'):readme.index('## Several GPUs')]
+    table = readme[readme.index('## What it guarantees'):readme.index('## Several GPUs')]
     rows = [l for l in table.splitlines() if l.startswith('| ') and '`bench/' in l]
-    assert len(rows) >= 5
+    assert len(rows) >= 3
     missing = {n for l in rows for n in _numbers(l.split(' | ')[1]) if n not in bench}
     assert not missing, f'README figures not in docs/bench.md: {sorted(missing)}'
 
