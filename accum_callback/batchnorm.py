@@ -13,7 +13,7 @@ from fastcore.basics import store_attr
 from .accumulate import GradientAccumulation
 from .compat import foreach, is_compiled, module_dicts
 from .micro import micro_batching, micro_size
-from .precise import training_items, update_bn_stats
+from .precise import pooled_moments, training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
@@ -50,10 +50,8 @@ def pooled_mean_var(
     >>> (m.item(), round(v.item(), 10)) == (x.mean().item(), round(x.var().item(), 10))
     True
     """
-    tot = n.sum(0)
-    m = (n*mean).sum(0)/tot
-    v = ((n-1)*var + n*(mean-m).square()).sum(0)/(tot-1)
-    return m,v
+    tot,m,m2 = pooled_moments(n, mean, (n-1).clamp_min(0)*var)   # (the package's one pooled estimator)
+    return m,m2/(tot-1)
 
 class PooledStats:
     """Per-micro-batch statistics of a set of BatchNorm layers on one device and dtype, pooled once per window.

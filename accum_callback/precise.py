@@ -20,8 +20,25 @@ from .distributed import is_distributed, process_count
 from .micro.loader import loader_pieces
 from .norm_layers import set_norm_mode
 
-__all__ = ['rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
+__all__ = ['pooled_moments', 'rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
            'training_items']
+
+def pooled_moments(n:torch.Tensor, mean:torch.Tensor, m2:torch.Tensor, tot=None)->tuple:
+    """The package's one pooled estimator (Chan et al.): `(items, mean, m2)` of the union of G groups given per group as
+    `(G, C)` tensors of items `n`, means and sums of squared deviations from their own mean `m2`: the mean of all items,
+    and `m2` as each group's own plus its mean's spread about the whole mean (no sum of squares, which cancels for
+    inputs far from zero). `tot`: the items, where the caller knows them on the host (no device synchronisation).
+    Used by 'pool' (`batchnorm.pooled_mean_var`), the recomputed statistics and `check_batchnorm` (`PopulationStats`)
+
+    >>> x = torch.arange(10.).double(); a,b = x[:4],x[4:]
+    >>> tot,mu,m2 = pooled_moments(torch.tensor([[4.],[6.]]).double(), torch.stack([a.mean(), b.mean()])[:,None],
+    ...                            torch.stack([a.var(correction=0)*4, b.var(correction=0)*6])[:,None])
+    >>> (float(tot), mu.item(), round(m2.item()/9, 10)) == (10.0, x.mean().item(), round(x.var().item(), 10))
+    True
+    """
+    tot = n.sum(0) if tot is None else tot
+    mu = (n*mean).sum(0)/tot
+    return tot,mu,m2.sum(0) + (n*(mean - mu).square()).sum(0)
 
 class PopulationStats:
     """One layer's inputs over many micro-batches, per channel, in float64: items `n`, `mean` and `m2` (the sum of
@@ -35,9 +52,7 @@ class PopulationStats:
         mean,m2 = mean.double(),var.double()*n
         if self.mu is None: self.n,self.mu,self.m2 = float(n),mean,m2; return
         tot = self.n + n
-        d = mean - self.mu
-        self.mu = self.mu + d*(n/tot)
-        self.m2 = self.m2 + m2 + d.square()*(self.n*n/tot)
+        _,self.mu,self.m2 = pooled_moments(mean.new_tensor([[self.n], [float(n)]]), torch.stack([self.mu, mean]), torch.stack([self.m2, m2]), tot)
         self.n = tot
     def sum_over_ranks(self):
         "Every rank's items together (two all-reduces: the counts and sums, then the deviations about the global mean)"
@@ -85,8 +100,7 @@ def _pooled(seen:list)->PopulationStats:
     var = torch.stack([v for _,v,_ in seen]).double()
     n = mean.new_tensor([float(k) for _,_,k in seen])[:,None]
     tot = float(sum(k for _,_,k in seen))   # (on the host: no synchronisation with the device)
-    mu = (mean*n).sum(0)/tot
-    s.n,s.mu,s.m2 = tot,mu,(var*n).sum(0) + ((mean - mu).square()*n).sum(0)
+    s.n,s.mu,s.m2 = pooled_moments(n, mean, var*n, tot)
     return s
 
 class _Stats(dict):
