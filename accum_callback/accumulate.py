@@ -19,7 +19,8 @@ from .losses import count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
 from .micro.loader import CutLoader, ReadAhead, batch_sizes
 from .advice import warn_at_fit_start
-from .schedule import PARTIAL_MODES, WindowClock, WindowSchedule, decide, flag, window_arguments
+from .schedule import PARTIAL_MODES, WindowClock, WindowSchedule, decide, window_arguments
+from .validate import flag
 from .window import Phase, Window
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']

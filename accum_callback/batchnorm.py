@@ -18,7 +18,7 @@ from .distributed import fsdp_modules, sync_batchnorm_world
 from .guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
-from .schedule import whole_number
+from .validate import whole_number
 
 __all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats', 'RecomputeGuard']
 

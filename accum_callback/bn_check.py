@@ -9,9 +9,10 @@ from fastcore.basics import patch
 
 from .distributed import is_fsdp
 from .micro import copy_module, micro_size
-from .precise import bn_layers_with_stats, precise_bn_stats, recorder_kept, rngs_kept, trained_bn_layers, training_items
+from .compat import rngs_kept
+from .precise import bn_layers_with_stats, precise_bn_stats, recorder_kept, trained_bn_layers, training_items
 from .replay import training_model
-from .schedule import whole_number
+from .validate import whole_number
 
 __all__ = ['BatchNormReport', 'check_batchnorm']
 

@@ -19,9 +19,9 @@ from .distributed import is_fsdp
 from .losses import loss_reduction
 from .micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
 from .micro.loader import model_device
-from .precise import rngs_kept
+from .compat import rngs_kept
 from .replay import Replay, flat_out, micro_batches, training_model
-from .schedule import whole_number
+from .validate import whole_number
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
 

@@ -31,7 +31,7 @@ from .files import atomic_write
 from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching, stateful_modules
 from .micro.loader import ReadAhead, can_skip
-from .schedule import whole_number
+from .validate import whole_number
 from .window import Phase, StepRecord
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']

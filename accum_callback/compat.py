@@ -9,7 +9,8 @@ import torch, torch.nn as nn
 
 __all__ = ['foreach', 'tree_flatten', 'tree_unflatten', 'tree_map', 'BatchNormBase', 'module_dicts', 'OutOfMemoryError',
            'autocast_enabled', 'compiled_with_cuda_graphs', 'is_compiled', 'fsdp_param_groups', 'fsdp_grads_reachable',
-           'held_unsharded_grad', 'clear_held_grads', 'local_tensor', 'grad_scale', 'run_eagerly', 'TORCH']
+           'held_unsharded_grad', 'clear_held_grads', 'local_tensor', 'grad_scale', 'run_eagerly', 'rng_states',
+           'set_rng_states', 'rngs_kept', 'TORCH']
 
 TORCH = torch.__version__
 
@@ -182,3 +183,10 @@ def set_rng_states(saved:tuple):
     torch.set_rng_state(saved[0])
     if saved[1] is not None: torch.cuda.set_rng_state_all(saved[1])
     random.setstate(saved[2]); np.random.set_state(saved[3])
+
+@contextlib.contextmanager
+def rngs_kept():
+    "Every RNG (torch's CPU and CUDA, Python's, numpy's) as it was, after the block"
+    saved = rng_states()
+    try: yield
+    finally: set_rng_states(saved)

@@ -30,9 +30,9 @@ from .distributed import fsdp_params, is_distributed, is_fsdp
 from .guard import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .losses import loss_reduction
 from .window import Window
-from .precise import rngs_kept
+from .compat import rngs_kept
 from .replay import Replay, training_model
-from .schedule import flag, whole_number
+from .validate import flag, whole_number
 
 LR_RULES = (None, 'linear', 'sqrt', 'auto')
 

@@ -7,7 +7,7 @@ from numbers import Real
 import torch, torch.nn as nn, torch.nn.functional as F
 
 from .compat import BatchNormBase, foreach, module_dicts
-from .schedule import whole_number
+from .validate import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
            'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm', 'set_norm_mode']

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastai.learner import Learner
 from fastcore.basics import patch
 
-from .compat import rng_states, set_rng_states, BatchNormBase, run_eagerly
+from .compat import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
 from .distributed import is_distributed, process_count
 from .micro.loader import loader_pieces
 from .norm_layers import set_norm_mode
@@ -106,13 +106,6 @@ def _pooled(seen:list)->PopulationStats:
 class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
     n_items = 0
-
-@contextlib.contextmanager
-def rngs_kept():
-    "Every RNG (torch's CPU and CUDA, Python's, numpy's) as it was, after the block"
-    saved = rng_states()
-    try: yield
-    finally: set_rng_states(saved)
 
 @torch.no_grad()
 def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullcontext, layers:list|None=None)->dict:

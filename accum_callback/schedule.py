@@ -4,25 +4,11 @@ import math
 from collections.abc import Mapping
 from numbers import Integral
 
-__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'whole_number', 'NotWholeNumber', 'flag',
-           'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started', 'WindowClock']
+from .validate import NotWholeNumber, flag, whole_number   # (re-exported for code that read them from here)
+
+__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started', 'WindowClock']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
-
-class NotWholeNumber(TypeError, ValueError):
-    "A count given as something other than a whole number in range (caught as either a `TypeError` or a `ValueError`)"
-
-def whole_number(v, name:str, where:str='', lo:int=1)->int:
-    "`v` as an int >= `lo`, or a `NotWholeNumber` error naming `name` (and `where` it was given): the one rule for every count"
-    if isinstance(v, bool) or not isinstance(v, Integral):
-        raise NotWholeNumber(f"`{name}` must be a whole number >= {lo}{where}, got {v!r} ({type(v).__name__})")
-    if v < lo: raise NotWholeNumber(f"`{name}` must be >= {lo}{where}, got {v}")
-    return int(v)
-
-def flag(v, name:str)->bool:
-    "`v` as True or False, or a `TypeError` naming `name`"
-    if not isinstance(v, bool): raise TypeError(f"`{name}` must be True or False, got {v!r}")
-    return v
 
 def window_arguments(n_step=None, target_bs=None, n_acc=None, partial=None, cut:bool=False):
     """`GradientAccumulation`'s window arguments, checked: `(n_step, target_bs, partial)`, the first two as

@@ -9,7 +9,7 @@ import argparse, contextlib, os, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
 from accum_callback.modes import BN_MODES
-from accum_callback.schedule import NotWholeNumber, whole_number   # (no torch: the CLI answers before it loads)
+from accum_callback.validate import NotWholeNumber, whole_number   # (no torch: the CLI answers before it loads)
 from .precheck import arch_known, data_problem, gpu_visible, unknown_arch
 
 __all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main', 'run']

@@ -12,7 +12,7 @@ from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
 from ..guard import CANCELS, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
-from ..schedule import NotWholeNumber, flag, whole_number
+from ..validate import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
 from .pieces import first_line, halved, is_out_of_memory, n_pieces
