@@ -407,20 +407,6 @@ def test_logs_survive_validate_and_get_preds():
     with pytest.warns(UserWarning, match='dropped'): fit_quiet(learn, 1, lr=0.)   # a new fit starts new logs
     assert ga.n_skipped == 1 and ga.steps == 3
 
-# -- settings under which nothing accumulates (issue 41, 44) ---------------------------------------------------------------
-@pytest.mark.parametrize('kw,match', [
-    (dict(micro_bs=16), r"micro_bs=16 is larger than the loader's batch \(8\): no batch is cut"),
-    (dict(target_bs=4), r"target_bs=4 is below the loader's batch \(8\).*nothing accumulates.*bs/target_bs = 2"),
-    (dict(n_acc=2), r"n_acc=2 is below the loader's batch \(8\).*nothing accumulates.*bs/n_acc = 4"),
-])
-def test_a_setting_that_accumulates_nothing_says_so(kw, match):
-    """`micro_bs=16` with loader batches of 8 accumulated nothing, silently; `target_bs=4` warned '8 does not divide
-    target_bs=4'; fastai's `n_acc=2` at bs 8 ("simulating" a larger batch) steps every batch. One warning naming it"""
-    learn = make_learner(make_data(64), 8, cbs=[GradientAccumulation(**kw)])
-    with pytest.warns(UserWarning, match=match) as w: fit_quiet(learn, 1)
-    assert sum('GradientAccumulation' in str(x.message) for x in w) == 1
-    assert learn.gradient_accumulation.steps == 8   # every loader batch its own step
-
 HOST_SYNCS = ('item', 'tolist', 'cpu', 'numpy', '__bool__', '__float__', '__int__', '__index__')
 
 def test_no_host_synchronisation_in_a_micro_batch_that_does_not_step():
