@@ -23,7 +23,7 @@ _MOVED = dict(
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
 _LAYERS = ('modes', 'validate', 'compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'window', 'guard', 'micro', 'precise', 'replay',
-           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'checkpoint', 'testing')
+           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'checkpoint_format', 'fit_state', 'checkpoint', 'testing')
 
 def _load_all():
     import warnings

@@ -12,7 +12,7 @@ schedules' values; a user's) and fastai's trackers' (`EarlyStopping`, `SaveModel
 value and patience). Written atomically (`files.atomic_write`) with a
 CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
 from __future__ import annotations
-import collections, enum, io, json, math, os, pickle, re, signal, struct, tempfile, threading, time, warnings, zlib
+import os, re, signal, tempfile, threading, time, warnings
 from pathlib import Path
 
 import torch
@@ -20,48 +20,24 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelEpochException, CancelFitException
 from fastcore.foundation import L
 from fastai.callback.fp16 import MixedPrecision
-from fastai.callback.tracker import TrackerCallback
 from fastai.torch_core import find_device, to_device
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .compat import rng_states, set_rng_states
 from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
-from .files import atomic_write
 from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
-from .micro import MicroBatching, stateful_modules
+from .micro import MicroBatching
 from .micro.loader import ReadAhead, can_skip
+from .checkpoint_format import (_MAGIC, CheckpointError,   # (_MAGIC, read_checkpoint: re-exported)
+                                 UnsafeCheckpoint, plain_state, read_checkpoint, reshard,
+                                write_checkpoint)
+from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
+                        restore_recorder, set_loader_orders, set_loader_rngs)
 from .validate import whole_number
-from .window import Phase, StepRecord
+_write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
-
-_MAGIC = b'ACKPT1\n'
-def _callback_states(learn, skip)->list:
-    """`(key, callback, get, put)` for every callback on `learn` whose state a checkpoint keeps, by the protocol: one
-    with `state_dict()`/`load_state_dict()` (ours, and any user's), and fastai's trackers (`EarlyStoppingCallback`,
-    `SaveModelCallback`, `ReduceLROnPlateau`: their best value and patience) through a small adapter. Keyed by the
-    callback's fastai name (`#2`... for a second one of a name), so that a resumed Learner finds each by what it is"""
-    out,seen = [],{}
-    for cb in learn.cbs:
-        if cb is skip: continue
-        # (looked up on the class: a fastai callback passes unknown names on to the Learner, and it to the model)
-        if callable(getattr(type(cb), 'state_dict', None)) and callable(getattr(type(cb), 'load_state_dict', None)):
-            get,put = cb.state_dict,cb.load_state_dict
-        elif isinstance(cb, TrackerCallback):
-            get = lambda cb=cb: {k: getattr(cb, k) for k in ('best', 'wait', 'new_best') if hasattr(cb, k)}
-            put = lambda d, cb=cb: cb.__dict__.update(d)
-        else: continue
-        name = getattr(cb, 'name', type(cb).__name__)
-        seen[name] = seen.get(name, 0) + 1
-        out.append((name if seen[name] == 1 else f'{name}#{seen[name]}', cb, get, put))
-    return out
-
-class CheckpointError(ValueError):
-    "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
-
-class UnsafeCheckpoint(CheckpointError):
-    "A checkpoint file that would run code when read (a planted or foreign pickle): never loaded"
 
 def _all_reduce(values:list, op=None)->list:
     "`values` (floats) reduced over the process group (summed, or by `op`), on the device its backend needs"
@@ -69,183 +45,7 @@ def _all_reduce(values:list, op=None)->list:
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t.tolist()
 
-# -- what a checkpoint may hold: read back with `torch.load(weights_only=True)`, so that a file runs no code ------------
-# Tensors, numbers, strings, bytes and plain containers go as they are; the few other types the state holds are
-# written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`,
-# and the package's own enums and named tuples (the window's phase and step records), by name from this table only.
-_TAG = '__accum_callback__'
-_OWN_TYPES = {f'{c.__module__}.{c.__qualname__}': c for c in (Phase, StepRecord)}
-
-_PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
-
-def _plain_state(o, where:str='state'):
-    "`o` as types `torch.load(weights_only=True)` reads; `CheckpointError` naming what cannot be"
-    import numpy as np
-    from fastcore.foundation import L
-    if o is None or type(o) in _PLAIN: return o
-    name = f'{type(o).__module__}.{type(o).__qualname__}'
-    if isinstance(o, torch.Tensor):
-        if type(o) in (torch.Tensor, torch.nn.Parameter): return o.detach()
-        if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):   # a DTensor (FSDP2's optimizer state): this rank's shard,
-            return {_TAG: 'shard', 'value': o.to_local().detach()}   # made a DTensor again like its parameter (`_reshard`)
-        # fastai's typed tensors (a batch read ahead: TensorImage, TensorCategory...): the data, and the type by name
-        if _fastai_tensor(name) is None:
-            raise CheckpointError(f"Checkpoint: {where} is a {name}, a tensor subclass a checkpoint read without running "
-                                  "code cannot hold: give a plain tensor")
-        return {_TAG: 'tensor', 'type': name, 'value': o.detach().as_subclass(torch.Tensor)}
-    if name in _OWN_TYPES:
-        if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': name, 'value': o.value}
-        return {_TAG: 'tuple', 'type': name, 'value': [_plain_state(v, where) for v in o]}
-    if isinstance(o, np.ndarray): return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': o.ravel().tolist()}
-    if isinstance(o, np.generic): return o.item()
-    if isinstance(o, L): return {_TAG: 'L', 'value': [_plain_state(v, where) for v in o]}
-    if type(o) in (list, tuple): return type(o)(_plain_state(v, f'{where}[{i}]') for i,v in enumerate(o))
-    if type(o) in (dict, collections.OrderedDict):
-        if _TAG in o: raise CheckpointError(f"Checkpoint: {where} holds the key {_TAG!r}, which the checkpoint format reserves")
-        return type(o)((k, _plain_state(v, f'{where}[{k!r}]')) for k,v in o.items())
-    if isinstance(o, (bool, int, float, str)) and not isinstance(o, enum.Enum):   # a subclass: its plain value
-        return next(t for t in (bool, int, float, str) if isinstance(o, t))(o)
-    raise CheckpointError(f"Checkpoint: {where} holds a {name}, which a checkpoint read without running code cannot hold: "
-                          "give numbers, strings, tensors, lists, tuples and dicts (a callback's `state_dict()` included)")
-
-class _Shard(torch.Tensor):
-    "A DTensor's local shard as read from a checkpoint, until `_reshard` makes it a DTensor like its parameter"
-
-def _reshard(state, param):
-    "The optimizer `state` of `param` (a dict, list or tensor) with every `_Shard` a DTensor laid out as `param`"
-    if isinstance(state, _Shard):
-        t = state.as_subclass(torch.Tensor)
-        if not hasattr(param, 'device_mesh'): return t
-        return type(param).from_local(t.to(param.to_local().device), param.device_mesh, param.placements,
-                                      run_check=False, shape=param.shape, stride=param.stride())
-    if isinstance(state, dict): return type(state)((k, _reshard(v, param)) for k,v in state.items())
-    if type(state) in (list, tuple): return type(state)(_reshard(v, param) for v in state)
-    return state
-
-def _fastai_tensor(name):
-    "fastai's tensor class of that full name (`fastai.torch_core.TensorBase` and its subclasses in fastai), or None"
-    import sys
-    from fastai.torch_core import TensorBase
-    if not isinstance(name, str) or not name.startswith('fastai.'): return None
-    mod,_,cls = name.rpartition('.')
-    c = getattr(sys.modules.get(mod), cls, None)   # (a module fastai has loaded: nothing is imported by name)
-    return c if isinstance(c, type) and issubclass(c, TensorBase) else None
-
-def _from_plain(o):
-    "What `_plain_state` wrote, made again"
-    import numpy as np
-    from fastcore.foundation import L
-    if isinstance(o, dict):
-        tag = o.get(_TAG)
-        if tag is None: return type(o)((k, _from_plain(v)) for k,v in o.items())
-        if tag == 'ndarray': return np.array(o['value'], dtype=np.dtype(o['dtype'])).reshape(o['shape'])
-        if tag == 'L': return L([_from_plain(v) for v in o['value']])
-        if tag == 'shard': return o['value'].as_subclass(_Shard)
-        if tag == 'tensor':
-            cls = _fastai_tensor(o.get('type'))
-            if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
-            return o['value'].as_subclass(cls)
-        cls = _OWN_TYPES.get(o.get('type'))
-        if cls is None: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
-        return cls(o['value']) if tag == 'enum' else cls(*[_from_plain(v) for v in o['value']])
-    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(_from_plain(v) for v in o)
-    return o
-
-def _write(path:Path, obj):
-    buf = io.BytesIO(); torch.save(_plain_state(obj), buf); data = buf.getvalue()
-    with atomic_write(path) as f: f.write(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
-    return len(data)
-
-def _unsupported(e)->str:
-    "The line of torch's refusal that names what the file asked for"
-    lines = [l.strip() for l in str(e).splitlines() if 'Unsupported' in l or 'WeightsUnpickler' in l]
-    return (lines[0] if lines else str(e).splitlines()[0])[:240]
-
-def read_checkpoint(path)->dict:
-    "The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged"
-    raw = Path(path).read_bytes()
-    h = len(_MAGIC) + 12
-    if not raw.startswith(_MAGIC) or len(raw) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
-    crc,n = struct.unpack('<IQ', raw[len(_MAGIC):h])
-    data = raw[h:]
-    if len(data) != n: raise CheckpointError(f"{path}: cut short ({len(data)} of {n} bytes)")
-    if zlib.crc32(data) != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")
-    try: st = torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)   # (runs no code: see `_plain_state`)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
-                               f"containers, which loading would run as code ({_unsupported(e)})") from None
-    return _from_plain(st)
-
-def _loaders(dl)->list:
-    "The training loader and the loaders it wraps (`DistributedDL`'s), outermost first"
-    out,seen = [],set()
-    while dl is not None and id(dl) not in seen:
-        seen.add(id(dl)); out.append(dl)
-        dl = dl.__dict__.get('dl') if hasattr(dl, '__dict__') else None
-    return out
-
-def _loader_rngs(dl)->list: return [l.rng.getstate() if hasattr(l, 'rng') and hasattr(l.rng, 'getstate') else None for l in _loaders(dl)]
-def _set_loader_rngs(dl, states:list):
-    for l,s in zip(_loaders(dl), states):
-        if s is not None: l.rng.setstate(s)
-
-def _loader_orders(dl)->list:
-    """The order state a loader keeps from one epoch to the next besides its RNG: fastai's `LMDataLoader` shuffles its
-    texts in place (a `ReindexCollection`'s `idxs`), each epoch's order a shuffle of the last one's"""
-    from fastcore.xtras import ReindexCollection
-    out = []
-    for l in _loaders(dl):
-        items = l.__dict__.get('items') if hasattr(l, '__dict__') else None
-        out.append([int(i) for i in items.idxs] if isinstance(items, ReindexCollection) else None)
-    return out
-
-def _set_loader_orders(dl, saved):
-    for l,o in zip(_loaders(dl), saved or ()):
-        if o is None: continue
-        idxs = l.__dict__['items'].idxs   # in place: LMDataLoader's `lens` shares this very list
-        for i,v in enumerate(o): idxs[i] = v
-        if callable(getattr(l, 'make_chunks', None)): l.make_chunks()   # (LMDataLoader's chunks follow its order)
-
 def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
-
-# -- the state a model carries from batch to batch -----------------------------------------------------------------------
-def _carried_value(v)->bool:
-    "A value a module's carried state may hold: tensors and numbers, in lists and tuples"
-    if v is None or isinstance(v, (torch.Tensor, bool, int, float)): return True
-    return type(v) in (list, tuple) and all(_carried_value(x) for x in v)
-
-def carried_state(model)->dict:
-    """What `model` carries from one batch to the next, by module name: what fastai's `ModelResetter` resets (AWD_LSTM's
-    `hidden` and `bs`, any module with `reset()`: its attributes that are tensors or numbers), or what a module declares
-    with `carried_state()` (then `load_carried_state(state)` puts it back)"""
-    ok,bad = stateful_modules(model)
-    names = {m: n for n,m in model.named_modules()}
-    out = {}
-    for m in [m for m,_ in ok] + bad:
-        if callable(getattr(m, 'carried_state', None)): out[names[m]] = {'declared': m.carried_state()}
-        else: out[names[m]] = {'attributes': {k: v for k,v in vars(m).items()
-                                              if not k.startswith('_') and k != 'training' and _carried_value(v)}}
-    return out
-
-def load_carried_state(model, saved:dict):
-    "Put back what `carried_state` took, on the device of `model`'s parameters"
-    mods,dev = dict(model.named_modules()),next(iter(model.parameters()), torch.empty(0)).device
-    for name,d in saved.items():
-        m = mods.get(name)
-        if m is None: continue
-        if 'declared' in d: m.load_carried_state(d['declared'])
-        else:
-            for k,v in d['attributes'].items(): setattr(m, k, to_device(v, dev))
-def _restore_recorder(rec, saved:dict):
-    "The Recorder's history and running training metrics as `Checkpoint._snapshot` saved them"
-    for k,v in saved.items():
-        if k not in ('smooth', 'mets'): setattr(rec, k, v)
-    rec.smooth_loss.__dict__.update(saved['smooth'])
-    for m,d in zip(getattr(rec, '_train_mets', []), saved['mets']): m.__dict__.update(d)
-
-def _plain(obj)->dict:
-    "A metric's running totals (numbers and tensors; not the function it calls, which may hold the Learner)"
-    return {k: v for k,v in obj.__dict__.items() if isinstance(v, (int, float, bool, torch.Tensor, type(None)))}
 
 class Checkpoint(Callback):
     """Save the fit every `every` optimizer steps, every `minutes`, at epoch ends (`epoch_end`) and when the process is
@@ -309,7 +109,7 @@ class Checkpoint(Callback):
             raise ValueError(f"Checkpoint: cannot write in `path` {folder} ({type(e).__name__}: {e.strerror or e}): give "
                              "a folder this process can write to") from None
         # every callback's state as a checkpoint can hold it (refused now, naming it, not at the first save)
-        _plain_state({k: get() for k,_,get,_ in _callback_states(self.learn, self)}, "state['callbacks']")
+        plain_state({k: get() for k,_,get,_ in callback_states(self.learn, self)}, "state['callbacks']")
 
     def before_fit(self):
         # `lr_find` is a fit of its own that puts the weights back: neither counted nor saved
@@ -321,7 +121,7 @@ class Checkpoint(Callback):
         self._epoch_rngs,self._pending,self._checked_steps,self._deferred = None,None,0,False
         self._opt_steps,self._step_cancelled = 0,False
         self.serial = max(self._serials(), default=0)
-        self._fit_args = {}; self._fit_args = self._fit_arguments()
+        self._fit_args = {}; self._fit_args = fit_arguments(self.learn)
         self._install_signals()
         add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit())
         try:
@@ -350,9 +150,9 @@ class Checkpoint(Callback):
         # `MicroBatching`'s where they run (ordered before this), else this callback's own, for a Learner without them
         if getattr(self.learn.dl, 'feed', None) is None: self.learn.dl = ReadAhead(self.learn.dl)
         dl = self.learn.dl
-        self._epoch_rngs = _loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
+        self._epoch_rngs = loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
         self._epoch_start = rng_states()   # (and from these, by loaders that draw from the global RNGs: LMDataLoader)
-        self._epoch_orders = _loader_orders(self._inner(dl))
+        self._epoch_orders = loader_orders(self._inner(dl))
         self._k = 0
         if self._pending is not None: self._continue(self._pending); self._pending = None
 
@@ -385,7 +185,6 @@ class Checkpoint(Callback):
 
     def _due(self, end:bool=False)->bool:
         "A checkpoint now? Rules every rank reads alike, and under DDP the clock and signals agreed at window ends"
-        ga = self._ga()
         steps = self._steps()
         due = ((self.every is not None and steps - self._last_steps >= self.every) or
                (self.batches is not None and self._k % self.batches == 0))
@@ -399,7 +198,6 @@ class Checkpoint(Callback):
         return due or bool(signalled) or bool(timed)
 
     def _after_save(self):
-        ga = self._ga()
         self._last_steps,self._t0 = self._steps(),time.monotonic()
         if self._stop is not None:   # asked to stop: the fit ends cleanly (every callback's `after_fit`), then the process
             self._exit,self._stop = self._stop,None
@@ -444,26 +242,12 @@ class Checkpoint(Callback):
                 'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()],
                 **getattr(self, '_fit_args', {})}
 
-    def _fit_arguments(self)->dict:
-        """What the fit was called with, read when it starts: the learning rate and weight decay per parameter group (as
-        `fit` sets them; the momenta a previous fit's schedule left are not the fit's arguments) and every `ParamScheduler`'s schedules sampled at 0, 1/4, ... 1 of training
-        (`fit_one_cycle`'s `lr_max`, `div`, `pct_start`, moms; `fit_flat_cos`, `fit_sgdr`...)"""
-        from fastai.callback.schedule import ParamScheduler
-        def num(v):
-            try: return [num(x) for x in v] if isinstance(v, (list, tuple)) or getattr(v, 'ndim', 0) else float(v)
-            except (TypeError, ValueError): return repr(v)
-        learn = self.learn
-        hypers = [{k: num(h[k]) for k in ('lr', 'wd') if k in h} for h in learn.opt.hypers] if learn.opt is not None else None
-        scheds = {k: [num(f(p)) for p in (0., .25, .5, .75, 1.)] for cb in learn.cbs if isinstance(cb, ParamScheduler)
-                  for k,f in cb.scheds.items()}
-        return {'hyper-parameters': hypers, 'schedule': scheds or None}
-
     def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
         learn = self.learn
         model = unwrap(learn.model)
         params = [p for p in model.parameters()]
         rec = learn.recorder
-        mets = [_plain(m) for m in getattr(rec, '_train_mets', [])]
+        mets = [plain_numbers(m) for m in getattr(rec, '_train_mets', [])]
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
         return dict(
@@ -473,14 +257,14 @@ class Checkpoint(Callback):
             opt=learn.opt.state_dict() if learn.opt is not None else None,
             scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
             rngs=rng_states(), epoch_rngs=self._epoch_start if where == 'mid' else None,
-            loader_orders=self._epoch_orders if where == 'mid' else _loader_orders(self._inner(learn.dls.train)),
+            loader_orders=self._epoch_orders if where == 'mid' else loader_orders(self._inner(learn.dls.train)),
             carried=carried_state(model) if where == 'mid' else None, ahead=to_device(feed.ahead, 'cpu') if feed is not None and feed.ahead is not None else None,
             ahead_device=find_device(feed.ahead) if feed is not None and feed.ahead is not None else None,
-            loader_rngs=self._epoch_rngs if where == 'mid' else _loader_rngs(self._inner(learn.dls.train)),
+            loader_rngs=self._epoch_rngs if where == 'mid' else loader_rngs(self._inner(learn.dls.train)),
             pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0),
             recorder=dict({k: getattr(rec, k) for k in ('lrs', 'iters', 'losses', 'values') if hasattr(rec, k)},
-                          smooth=_plain(rec.smooth_loss), mets=mets),
-            callbacks={k: get() for k,_,get,_ in _callback_states(learn, self)})
+                          smooth=plain_numbers(rec.smooth_loss), mets=mets),
+            callbacks={k: get() for k,_,get,_ in callback_states(learn, self)})
 
     def _save(self, where:str):
         self.serial += 1
@@ -558,26 +342,26 @@ class Checkpoint(Callback):
         if st['opt'] is not None and learn.opt is not None:
             ps = [p for p,*_ in learn.opt.all_params(with_grad=False)]
             if len(ps) == len(st['opt'].get('state', ())):   # (FSDP2: each parameter's state as its DTensor again)
-                st['opt']['state'] = [_reshard(s_, p) for s_,p in zip(st['opt']['state'], ps)]
+                st['opt']['state'] = [reshard(s_, p) for s_,p in zip(st['opt']['state'], ps)]
             learn.opt.load_state_dict(st['opt'])
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         if st['scaler'] is not None and mp is not None and getattr(mp, 'scaler', None) is not None: mp.scaler.load_state_dict(st['scaler'])
-        _restore_recorder(learn.recorder, st['recorder'])
-        for k,_,_,put in _callback_states(learn, self):
+        restore_recorder(learn.recorder, st['recorder'])
+        for k,_,_,put in callback_states(learn, self):
             if k in st['callbacks']: put(st['callbacks'][k])
         learn.epoch,learn.pct_train,learn.train_iter = st['epoch'],st['pct_train'],st['train_iter']
         self._opt_steps = self._last_steps = st.get('opt_steps', 0)
         if st['where'] != 'mid':
             set_rng_states(st['rngs'])
-            _set_loader_rngs(self._inner(learn.dls.train), st['loader_rngs'])
-            _set_loader_orders(self._inner(learn.dls.train), st.get('loader_orders'))
+            set_loader_rngs(self._inner(learn.dls.train), st['loader_rngs'])
+            set_loader_orders(self._inner(learn.dls.train), st.get('loader_orders'))
 
     def _continue(self, st:dict):
         "The epoch the checkpoint was taken in starts: its order, the batches done skipped unloaded, the RNGs as they were"
         learn = self.learn
         inner = self._inner(learn.dl)
-        _set_loader_rngs(inner, st['loader_rngs'])
-        _set_loader_orders(inner, st.get('loader_orders'))
+        set_loader_rngs(inner, st['loader_rngs'])
+        set_loader_orders(inner, st.get('loader_orders'))
         self._epoch_rngs,self._epoch_orders = st['loader_rngs'],st.get('loader_orders')
         feed = learn.dl.feed
         # the batches done, and the one read ahead (saved: made again, its random transforms would draw again), skipped
@@ -592,7 +376,7 @@ class Checkpoint(Callback):
         self._k = st['k']
         # (fastai's `before_train` set these for the epoch's start after `_load`: its place in the epoch again)
         learn.pct_train,learn.train_iter = st['pct_train'],st['train_iter']
-        _restore_recorder(learn.recorder, st['recorder'])
+        restore_recorder(learn.recorder, st['recorder'])
 
     def _skip_epochs(self, first:int):
         """Epochs before `first` are done: each is cancelled in `before_epoch` (fastai's own `SkipToEpoch` mechanism),

@@ -301,7 +301,7 @@ def test_a_path_that_is_a_file_or_unwritable_is_refused_when_the_fit_starts(tmp_
 
 def test_a_write_that_fails_mid_fit_warns_and_training_goes_on(tmp_path, monkeypatch):
     import contextlib, errno
-    import accum_callback.checkpoint as C
+    import accum_callback.checkpoint_format as C   # (where checkpoint files are written)
     real,calls = C.atomic_write,[0]
     @contextlib.contextmanager
     def full_disk(path, *a, **k):   # the 2nd and 3rd writes fail part-way, as a full disk (EFBIG, ENOSPC) does

@@ -1,0 +1,131 @@
+"""The checkpoint file: how `Checkpoint` writes the state of a fit and reads it back without running code. The state is
+written as plain types (tensors, numbers, strings, bytes, lists, tuples, dicts), the few others it holds as tagged
+dicts made again from a fixed table on reading, and read with `torch.load(weights_only=True)`; the file carries a magic
+line, its length and a CRC-32 (against cuts and damage only: anyone can compute them) and is written atomically."""
+from __future__ import annotations
+import collections, enum, io, pickle, struct, zlib
+from pathlib import Path
+
+import torch
+
+from .files import atomic_write
+from .window import Phase, StepRecord
+
+__all__ = ['CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'reshard']
+
+_MAGIC = b'ACKPT1\n'
+
+class CheckpointError(ValueError):
+    "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
+
+class UnsafeCheckpoint(CheckpointError):
+    "A checkpoint file that would run code when read (a planted or foreign pickle): never loaded"
+
+# -- what a checkpoint may hold: read back with `torch.load(weights_only=True)`, so that a file runs no code ------------
+# Tensors, numbers, strings, bytes and plain containers go as they are; the few other types the state holds are
+# written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`,
+# and the package's own enums and named tuples (the window's phase and step records), by name from this table only.
+_TAG = '__accum_callback__'
+_OWN_TYPES = {f'{c.__module__}.{c.__qualname__}': c for c in (Phase, StepRecord)}
+
+_PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+
+def plain_state(o, where:str='state'):
+    "`o` as types `torch.load(weights_only=True)` reads; `CheckpointError` naming what cannot be"
+    import numpy as np
+    from fastcore.foundation import L
+    if o is None or type(o) in _PLAIN: return o
+    name = f'{type(o).__module__}.{type(o).__qualname__}'
+    if isinstance(o, torch.Tensor):
+        if type(o) in (torch.Tensor, torch.nn.Parameter): return o.detach()
+        if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):   # a DTensor (FSDP2's optimizer state): this rank's shard,
+            return {_TAG: 'shard', 'value': o.to_local().detach()}   # made a DTensor again like its parameter (`reshard`)
+        # fastai's typed tensors (a batch read ahead: TensorImage, TensorCategory...): the data, and the type by name
+        if _fastai_tensor(name) is None:
+            raise CheckpointError(f"Checkpoint: {where} is a {name}, a tensor subclass a checkpoint read without running "
+                                  "code cannot hold: give a plain tensor")
+        return {_TAG: 'tensor', 'type': name, 'value': o.detach().as_subclass(torch.Tensor)}
+    if name in _OWN_TYPES:
+        if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': name, 'value': o.value}
+        return {_TAG: 'tuple', 'type': name, 'value': [plain_state(v, where) for v in o]}
+    if isinstance(o, np.ndarray): return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': o.ravel().tolist()}
+    if isinstance(o, np.generic): return o.item()
+    if isinstance(o, L): return {_TAG: 'L', 'value': [plain_state(v, where) for v in o]}
+    if type(o) in (list, tuple): return type(o)(plain_state(v, f'{where}[{i}]') for i,v in enumerate(o))
+    if type(o) in (dict, collections.OrderedDict):
+        if _TAG in o: raise CheckpointError(f"Checkpoint: {where} holds the key {_TAG!r}, which the checkpoint format reserves")
+        return type(o)((k, plain_state(v, f'{where}[{k!r}]')) for k,v in o.items())
+    if isinstance(o, (bool, int, float, str)) and not isinstance(o, enum.Enum):   # a subclass: its plain value
+        return next(t for t in (bool, int, float, str) if isinstance(o, t))(o)
+    raise CheckpointError(f"Checkpoint: {where} holds a {name}, which a checkpoint read without running code cannot hold: "
+                          "give numbers, strings, tensors, lists, tuples and dicts (a callback's `state_dict()` included)")
+
+class _Shard(torch.Tensor):
+    "A DTensor's local shard as read from a checkpoint, until `_reshard` makes it a DTensor like its parameter"
+
+def reshard(state, param):
+    "The optimizer `state` of `param` (a dict, list or tensor) with every `_Shard` a DTensor laid out as `param`"
+    if isinstance(state, _Shard):
+        t = state.as_subclass(torch.Tensor)
+        if not hasattr(param, 'device_mesh'): return t
+        return type(param).from_local(t.to(param.to_local().device), param.device_mesh, param.placements,
+                                      run_check=False, shape=param.shape, stride=param.stride())
+    if isinstance(state, dict): return type(state)((k, reshard(v, param)) for k,v in state.items())
+    if type(state) in (list, tuple): return type(state)(reshard(v, param) for v in state)
+    return state
+
+def _fastai_tensor(name):
+    "fastai's tensor class of that full name (`fastai.torch_core.TensorBase` and its subclasses in fastai), or None"
+    import sys
+    from fastai.torch_core import TensorBase
+    if not isinstance(name, str) or not name.startswith('fastai.'): return None
+    mod,_,cls = name.rpartition('.')
+    c = getattr(sys.modules.get(mod), cls, None)   # (a module fastai has loaded: nothing is imported by name)
+    return c if isinstance(c, type) and issubclass(c, TensorBase) else None
+
+def _from_plain(o):
+    "What `_plain_state` wrote, made again"
+    import numpy as np
+    from fastcore.foundation import L
+    if isinstance(o, dict):
+        tag = o.get(_TAG)
+        if tag is None: return type(o)((k, _from_plain(v)) for k,v in o.items())
+        if tag == 'ndarray': return np.array(o['value'], dtype=np.dtype(o['dtype'])).reshape(o['shape'])
+        if tag == 'L': return L([_from_plain(v) for v in o['value']])
+        if tag == 'shard': return o['value'].as_subclass(_Shard)
+        if tag == 'tensor':
+            cls = _fastai_tensor(o.get('type'))
+            if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
+            return o['value'].as_subclass(cls)
+        cls = _OWN_TYPES.get(o.get('type'))
+        if cls is None: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
+        return cls(o['value']) if tag == 'enum' else cls(*[_from_plain(v) for v in o['value']])
+    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(_from_plain(v) for v in o)
+    return o
+
+def write_checkpoint(path:Path, obj)->int:
+    "Write `obj` (the state of a fit) to `path` atomically, as plain types with the header; returns the bytes written"
+    buf = io.BytesIO(); torch.save(plain_state(obj), buf); data = buf.getvalue()
+    with atomic_write(path) as f: f.write(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
+    return len(data)
+
+def _unsupported(e)->str:
+    "The line of torch's refusal that names what the file asked for"
+    lines = [l.strip() for l in str(e).splitlines() if 'Unsupported' in l or 'WeightsUnpickler' in l]
+    return (lines[0] if lines else str(e).splitlines()[0])[:240]
+
+def read_checkpoint(path)->dict:
+    "The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged"
+    raw = Path(path).read_bytes()
+    h = len(_MAGIC) + 12
+    if not raw.startswith(_MAGIC) or len(raw) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
+    crc,n = struct.unpack('<IQ', raw[len(_MAGIC):h])
+    data = raw[h:]
+    if len(data) != n: raise CheckpointError(f"{path}: cut short ({len(data)} of {n} bytes)")
+    if zlib.crc32(data) != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")
+    try: st = torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)   # (runs no code: see `_plain_state`)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
+                               f"containers, which loading would run as code ({_unsupported(e)})") from None
+    return _from_plain(st)
+
