@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .compat import foreach
 from .distributed import (all_reduce_grads, check_fsdp, enter_no_sync, exit_no_sync, is_distributed, is_fsdp,
                           set_resharding, sum_over_ranks, world_size, zero_grads)
-from .guard import (Listeners, add_fit_guard, in_inference, one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start,
+from .guard import (Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start,
                     remove_fit_guard)
 from .losses import count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
@@ -28,7 +28,7 @@ __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 _LOGS = ('window_sizes', 'window_items', 'window_losses', 'window_micro', 'n_skipped', 'n_dropped', 'n_step_cancelled')
 
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
-class GradientAccumulation(Callback):
+class GradientAccumulation(Callback, WindowOwner):
     "Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window"
     # Before `MixedPrecision` (10) and `GradientClip` (11) in `before_step`: the scaler unscales, checks and updates,
     # and clipping clips, once per window and on the finished window gradient. `_only_train_loop`: `learn.summary()`
@@ -62,7 +62,8 @@ class GradientAccumulation(Callback):
         self.sharded_grads,self.gathered_params = flag(sharded_grads, 'sharded_grads'),flag(gathered_params, 'gathered_params')
         # `micro_bs`: the `MicroBatching` callback this one adds to its Learner (and takes away with it)
         self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
-        self.mb,self._decided,self._warned,self._new_fit,self._listeners = None,0,False,False,Listeners()
+        self.mb,self._decided,self._new_fit,self._listeners = None,0,False,Listeners()
+        self.said = set()   # what `advice` has said at fit start (once each: 'window', 'layers', 'fsdp')
         self._ahead,self._clock = None,WindowClock()   # the training loader read ahead; the schedule's clock in windows
         self.window = Window()
         self._reset_logs()

@@ -11,17 +11,17 @@ from .schedule import windows_started
 __all__ = ['warn_at_fit_start']
 
 def warn_at_fit_start(ga, bs):
-    "Each of the warnings below, once (`ga._warned`: one about the window's size a fit)"
+    "Each of the warnings below, once (`ga.said`, the keys of what the callback has said: one about the window's size)"
     _nothing_accumulates(ga, bs)
-    if not ga._warned: _ported(ga, bs)
+    if 'window' not in ga.said: _ported(ga, bs)
     _not_large_batch(ga)
     _sharded_by_hand(ga)
     t = ga.target_bs_sched() if ga.target_bs_sched is not None and ga.n_acc is None else None
-    if t and bs and t > bs and t % bs and not ga._warned:
+    if t and bs and t > bs and t % bs and 'window' not in ga.said:
         warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
                       f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
                       "gradient of its window", stacklevel=3)
-        ga._warned = True
+        ga.said.add('window')
 
 def _ported(ga, bs):
     """What a recipe ported from fastai may mean otherwise, said once at fit start with the steps an epoch each reading
@@ -36,7 +36,7 @@ def _ported(ga, bs):
                       f"GradientAccumulation({k}) counts samples (n_acc={k}: {steps(k, True)} steps an epoch). Write "
                       f"GradientAccumulation(n_step={k}) or GradientAccumulation(n_acc={k}); a count without its name will "
                       "mean fastai's n_acc in a later version", stacklevel=3)
-        ga._warned = True
+        ga.said.add('window')
         return
     sc = ga.sched
     if sc.kind != 'const' or ga.mb is not None or len(sizes) < 8: return
@@ -48,11 +48,11 @@ def _ported(ga, bs):
                       f"{len(sizes)} loader batches: {steps(sc.const, by_items)} optimizer step(s) an epoch. If that is "
                       "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
                       stacklevel=3)
-        ga._warned = True
+        ga.said.add('window')
 
 def _not_large_batch(ga):
     "Layers that make a window other than the large batch whatever the rule, where cheap to see: said once"
-    if getattr(ga, '_warned_layers', False): return
+    if 'layers' in ga.said: return
     spectral = [n for n,m in ga.learn.model.named_modules()
                 if type(m).__name__ == '_SpectralNorm' or any(k.endswith('_u') and k[:-2] + '_orig' in dict(m.named_parameters(recurse=False))
                                                               for k,_ in m.named_buffers(recurse=False))]
@@ -60,11 +60,11 @@ def _not_large_batch(ga):
         warnings.warn(f"GradientAccumulation: spectral_norm ({spectral[0]}{' and others' if len(spectral) > 1 else ''}) "
                       "runs its power iteration at every training forward: k micro-batches run it k times where one "
                       "batch runs it once, so a window is not exactly the large batch (small; docs/fastai.md)", stacklevel=3)
-        ga._warned_layers = True
+        ga.said.add('layers')
 
 def _nothing_accumulates(ga, bs):
     "A setting under which no window holds more than one loader batch, uncut: said once, naming the argument"
-    if not bs or ga._warned: return
+    if not bs or 'window' in ga.said: return
     mb,msg = ga.mb,None
     size = mb.size if mb is not None and not mb.auto else None
     if size is not None and size > bs:
@@ -78,13 +78,13 @@ def _nothing_accumulates(ga, bs):
                f"batches smaller than {t}; for steps of several batches, give a larger {name} or n_step")
     if msg:
         warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
-        ga._warned = True
+        ga.said.add('window')
 
 def _sharded_by_hand(ga):
     "A model sharded with FSDP2 outside `to_fsdp`: fastai's save/load/export would write one rank's shard. Said once"
     learn = ga.learn
-    if getattr(ga, '_warned_fsdp', False) or not is_fsdp(learn.model) or 'save' in learn.__dict__: return
+    if 'fsdp' in ga.said or not is_fsdp(learn.model) or 'save' in learn.__dict__: return
     warnings.warn("GradientAccumulation: the model is sharded with FSDP2 outside `learn.to_fsdp()`, so `learn.save`, "
                   "`load` and `export` are fastai's, which write and read one rank's shard: call `learn.fsdp_checkpoints()` "
                   "once for files of the whole model", stacklevel=3)
-    ga._warned_fsdp = True
+    ga.said.add('fsdp')

@@ -15,7 +15,7 @@ from .compat import foreach, is_compiled, module_dicts
 from .micro import micro_batching, micro_size
 from .precise import pooled_moments, training_items, update_bn_stats
 from .distributed import fsdp_modules, sync_batchnorm_world
-from .guard import CANCELS, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from .guard import CANCELS, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
 from .validate import whole_number
@@ -396,7 +396,7 @@ PRECISE_AT = ('epoch', 'end')   # when `precise` recomputes the statistics
 
 # -- the callback -----------------------------------------------------------------------------------------------------
 @one_per_learner("(Each would convert, freeze or pool the same layers.)")
-class BatchNormAccumulation(Callback):
+class BatchNormAccumulation(Callback, RunningStatsPolicy):
     """Make BatchNorm behave under gradient accumulation. `mode` (one of `BN_MODES`):
     'pool': one running-statistics update per optimizer step, from the statistics pooled over every micro-batch of the
       window: the running statistics one large batch of the same samples leaves. The forward still normalises each
@@ -536,6 +536,8 @@ class BatchNormAccumulation(Callback):
         if self.active is not None: self.active.before_backward()
     def after_backward(self):
         if self.active is not None: self.active.after_backward()
+    def keeps_running_stats(self)->bool: "'freeze' leaves the running statistics as they are"; return self.mode == 'freeze'
+
     def state_dict(self)->dict:
         "What a window in progress holds ('pool': its micro-batches' statistics; 'momentum': the momenta in force)"
         return dict(active=self.active.state() if self.active is not None else None, recomputed=getattr(self, '_recomputed', True))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelEpochException, CancelFitException
 from fastcore.foundation import L
 from fastai.callback.fp16 import MixedPrecision
+from fastai.callback.schedule import LRFinder
 from fastai.torch_core import find_device, to_device
 
 from .accumulate import GradientAccumulation
@@ -96,7 +97,7 @@ class Checkpoint(Callback):
     # -- fit ------------------------------------------------------------------------------------------------------
     def refuse_fit(self):
         "The folder is checked when the fit starts (`guard.refuse_at_fit_start`): a folder, and one this process can write in"
-        if in_inference(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs): return
+        if in_inference(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs): return
         folder = self.folder
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"Checkpoint: `path` {folder} is a file, not a folder: give a folder for the checkpoints "
@@ -113,7 +114,7 @@ class Checkpoint(Callback):
 
     def before_fit(self):
         # `lr_find` is a fit of its own that puts the weights back: neither counted nor saved
-        self._off = in_inference(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs)
+        self._off = in_inference(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs)
         if self._off: return
         refuse_at_fit_start(self.learn)   # (every callback of ours, this one's folder included: before any sets up)
         self.n_fit += 1

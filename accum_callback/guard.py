@@ -8,10 +8,22 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from .compat import compiled_with_cuda_graphs
 from .distributed import check_fsdp
 
-__all__ = ['FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['WindowOwner', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
+
+# -- interfaces by which the layers below a callback find it (by class, never by a name or `hasattr`) --------------------
+class WindowOwner:
+    """Declared by the callback that owns the accumulation window (`GradientAccumulation`): `MicroBatching`, a layer
+    below it, finds it by this class and undoes a micro-batch through `window_state()` / `restore_window(state)`"""
+    def window_state(self): raise NotImplementedError
+    def restore_window(self, state): raise NotImplementedError
+
+class RunningStatsPolicy:
+    """Declared by a callback that decides whether training updates BatchNorm's running statistics
+    (`BatchNormAccumulation`): `precise.trained_bn_layers` finds it by this class"""
+    def keeps_running_stats(self)->bool: "Does training leave the running statistics as they are ('freeze')?"; return False
 
 def in_inference(learn)->bool:
     """Is `learn` inside `validate`/`get_preds`/`predict`/`tta` rather than a training `fit`? fastai sends `before_fit`

@@ -17,6 +17,7 @@ from fastcore.basics import patch
 
 from .compat import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
 from .distributed import is_distributed, process_count
+from .guard import RunningStatsPolicy
 from .micro.loader import loader_pieces
 from .norm_layers import set_norm_mode
 
@@ -83,7 +84,7 @@ def trained_bn_layers(model:nn.Module, learn=None)->list:
     if model.training: return [bn for bn in bns if bn.training]
     if learn is None: return bns
     from fastai.callback.training import BnFreeze
-    if any(type(cb).__name__ == 'BatchNormAccumulation' and getattr(cb, 'mode', None) == 'freeze' for cb in learn.cbs): return []
+    if any(isinstance(cb, RunningStatsPolicy) and cb.keeps_running_stats() for cb in learn.cbs): return []
     if any(isinstance(cb, BnFreeze) for cb in learn.cbs):
         return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False)) or not list(bn.parameters(recurse=False))]
     return bns

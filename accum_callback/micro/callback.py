@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..guard import CANCELS, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from ..validate import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -91,8 +91,8 @@ class MicroBatching(Callback):
     def load_state_dict(self, sd:dict): self.size,self.trials,self._probe,self._serial = sd['size'],sd['trials'],sd['probe'],sd['serial']
 
     def _window(self):
-        "The `GradientAccumulation` that steps once per loader batch (found by its interface: this package is below it)"
-        return next((cb for cb in self.learn.cbs if hasattr(cb, 'window_state') and hasattr(cb, 'restore_window')), None)
+        "The `GradientAccumulation` that steps once per loader batch (found by its declared interface, `guard.WindowOwner`)"
+        return next((cb for cb in self.learn.cbs if isinstance(cb, WindowOwner)), None)
 
     def refuse_fit(self):
         "What this fit is refused for (`guard.refuse_at_fit_start`): no window to step, 'auto' under FSDP2, a stateful model we cannot cut"
