@@ -17,13 +17,13 @@ _MOVED = dict(
     loss_items='losses', loss_reduction='losses', default_blocks='fsdp', fsdp_full_state_dict='fsdp',
     as_window_schedule='schedule', MODES='batchnorm', accumulated_momentum='batchnorm', pooled_mean_var='batchnorm',
     PooledStats='batchnorm', BN_MODES='modes', BatchRenorm='norm_layers', BatchRenorm1d='norm_layers',
-    BatchRenorm2d='norm_layers', BatchRenorm3d='norm_layers', NoiseScaleSchedule='noise', NoiseScaleReport='noise',
+    BatchRenorm2d='norm_layers', BatchRenorm3d='norm_layers', NoiseScaleSchedule='noise', NoiseScaleReport='noise_measure',
     noise_estimates='noise', precise_bn_stats='precise', PopulationStats='precise', BatchNormReport='bn_check')
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
 _LAYERS = ('modes', 'validate', 'compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'window', 'guard', 'micro', 'precise', 'bn_stats', 'replay',
-           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'checkpoint_format', 'fit_state', 'checkpoint', 'testing')
+           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'noise_measure', 'checkpoint_format', 'fit_state', 'checkpoint', 'testing')
 
 def _load_all():
     import warnings
