@@ -26,6 +26,7 @@ from fastai.torch_core import find_device, to_device
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .compat import rng_states, set_rng_states
+from .fastai_compat import train_metrics
 from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
 from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching
@@ -248,7 +249,7 @@ class Checkpoint(Callback):
         model = unwrap(learn.model)
         params = [p for p in model.parameters()]
         rec = learn.recorder
-        mets = [plain_numbers(m) for m in getattr(rec, '_train_mets', [])]
+        mets = [plain_numbers(m) for m in train_metrics(rec)]
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
         return dict(

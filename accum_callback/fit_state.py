@@ -7,6 +7,7 @@ import torch
 from fastai.callback.tracker import TrackerCallback
 from fastai.torch_core import to_device
 
+from .fastai_compat import train_metrics
 from .micro import stateful_modules
 
 __all__ = ['callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'loader_orders',
@@ -96,7 +97,7 @@ def restore_recorder(rec, saved:dict):
     for k,v in saved.items():
         if k not in ('smooth', 'mets'): setattr(rec, k, v)
     rec.smooth_loss.__dict__.update(saved['smooth'])
-    for m,d in zip(getattr(rec, '_train_mets', []), saved['mets']): m.__dict__.update(d)
+    for m,d in zip(train_metrics(rec), saved['mets']): m.__dict__.update(d)
 
 def plain_numbers(obj)->dict:
     "A metric's running totals (numbers and tensors; not the function it calls, which may hold the Learner)"

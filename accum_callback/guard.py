@@ -6,6 +6,7 @@ from fastai.callback.core import CancelEpochException, CancelFitException
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 
 from .compat import compiled_with_cuda_graphs
+from .fastai_compat import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
 __all__ = ['WindowOwner', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
@@ -50,35 +51,35 @@ class FitGuard:
     there), calls each registered `cleanup(exc)`; one that ends the fit without `after_fit` also removes the guard, so
     the Learner is left as it was (and still pickles)."""
     def __init__(self, learn):
-        self.learn,self.orig,self.cleanups = learn,learn._with_events,{}
+        self.learn,self.orig,self.cleanups = learn,epoch_events(learn),{}
     def __call__(self, f, event_type, ex, final=lambda: None):
         if event_type != 'epoch': return self.orig(f, event_type, ex, final)
         try: return self.orig(f, event_type, ex, final)
         except BaseException as e:
             for c in list(self.cleanups.values()): c(e)
-            if not isinstance(e, CANCELS): self.learn.__dict__.pop('_with_events', None)
+            if not isinstance(e, CANCELS): clear_epoch_events(self.learn)
             raise
 
 def add_fit_guard(learn, key, cleanup):
     "Call `cleanup(exc)` when an exception leaves an epoch of this `fit`; `key` names it for `remove_fit_guard`"
-    g = learn.__dict__.get('_with_events')
-    if not isinstance(g, FitGuard): g = learn._with_events = FitGuard(learn)
+    g = epoch_events(learn, own=True)
+    if not isinstance(g, FitGuard): set_epoch_events(learn, g := FitGuard(learn))
     g.cleanups[key] = cleanup
 
 def fail_fit(learn, exc):
     """`exc` ends the fit in `before_fit` (a refusal of a callback ordered after others of ours, which have set up
     already): every registered clean-up runs now and the guard goes, as if it had left an epoch"""
-    g = learn.__dict__.get('_with_events')
+    g = epoch_events(learn, own=True)
     if not isinstance(g, FitGuard): return
     for c in list(g.cleanups.values()): c(exc)
-    learn.__dict__.pop('_with_events', None)
+    clear_epoch_events(learn)
 
 def remove_fit_guard(learn, key):
     "Forget `key`'s clean-up; the guard goes once it has none"
-    g = learn.__dict__.get('_with_events')
+    g = epoch_events(learn, own=True)
     if not isinstance(g, FitGuard): return
     g.cleanups.pop(key, None)
-    if not g.cleanups: del learn.__dict__['_with_events']
+    if not g.cleanups: clear_epoch_events(learn)
 
 # -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
 def one_per_learner(hint:str):

@@ -155,3 +155,15 @@ def test_importing_the_package_adds_only_plain_functions_to_fastais_learner():
     assert res['changed'] == [] and res['added'] and all(res['added'].values()), res
     api = (ROOT/'docs'/'api.md').read_text()
     assert all(f'## `Learner.{k}`' in api for k in res['added']), [k for k in res['added'] if f'## `Learner.{k}`' not in api]
+
+FASTAI_PRIVATE = {'_with_events', '_train_mets', '_valid_mets', 'fake_l', '_do_epoch', '_do_fit', '_do_one_batch', '_end_cleanup'}
+
+def test_private_fastai_names_are_reached_only_through_fastai_compat():
+    "As torch's in compat.py: a fastai name outside its public API (an attribute or a string naming one) sits in fastai_compat.py"
+    found = []
+    for path in sorted(PKG.rglob('*.py')):
+        if path.name == 'fastai_compat.py': continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            if name in FASTAI_PRIVATE: found.append(f'{path.relative_to(PKG)}:{node.lineno} {name}')
+    assert not found, found

@@ -9,6 +9,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
 from ..distributed import is_distributed
+from ..fastai_compat import torch_loader
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
 __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',
@@ -69,7 +70,7 @@ def _skip_batches(dl, k:int, then=None):
     dl.get_idxs = get_idxs
     # torch's loader iterator draws a seed from the global RNG when it starts: the interrupted run drew it at the
     # epoch's start (the RNG states saved include it), so the resumed pass draws it from a generator of its own
-    fake = getattr(dl, 'fake_l', None)
+    fake = torch_loader(dl)
     if fake is None or not hasattr(fake, 'generator'): return None
     old,fake.generator = fake.generator,torch.Generator()
     def undo(): fake.generator = old
