@@ -373,6 +373,16 @@ def _random_learner(cbs, workers:int):
                    ).dataloaders(bs=4, shuffle=True, num_workers=workers, after_batch=[_noisy, RandAdd(0.7)])
     return Learner(dls, MLP(), loss_func=torch.nn.functional.mse_loss, cbs=cbs)
 
+def _cut_and_resumed(run, tmp_path, cut:int, batches:int):
+    """`run(cbs)` (a Learner made and fitted, a `Boom` swallowed) uninterrupted, then cut at loader batch `cut` with
+    checkpoints every `batches`, then again: it resumed, to the uninterrupted weights bitwise. `(ref, resumed)`"""
+    ref = run([Checkpoint(tmp_path/'ref')])
+    run([Checkpoint(tmp_path/'ck', batches=batches), RaiseAt(cut)])
+    again = run([cb := Checkpoint(tmp_path/'ck', batches=batches)])
+    assert cb.resumed_from is not None
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+    return ref,again
+
 @pytest.mark.parametrize('workers', [0, 2])
 @pytest.mark.parametrize('ga', [True, False], ids=['accumulate', 'plain'])
 @pytest.mark.parametrize('cut', [6, 17])   # mid-epoch in the first and the second of 3 epochs (8 batches each)
@@ -386,11 +396,7 @@ def test_random_transforms_resume_bitwise(tmp_path, workers, ga, cut):
             try: learn.fit_one_cycle(3, 0.05)
             except Boom: pass
         return learn
-    ref = run([Checkpoint(tmp_path/'ref')])
-    run([Checkpoint(tmp_path/'ck', batches=3), RaiseAt(cut)])
-    again = run([cb := Checkpoint(tmp_path/'ck', batches=3)])
-    assert cb.resumed_from is not None
-    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+    ref,again = _cut_and_resumed(run, tmp_path, cut, batches=3)
     assert again.recorder.losses == ref.recorder.losses
 
 @pytest.mark.parametrize('cut', [7, 95])   # in the first and the second epoch (80 batches each)
@@ -410,11 +416,7 @@ def test_language_model_resumes_bitwise(tmp_path, cut):
             try: learn.fit(2)
             except Boom: pass
         return learn
-    ref = run([Checkpoint(tmp_path/'ref')])
-    run([Checkpoint(tmp_path/'ck', batches=1), RaiseAt(cut)])
-    again = run([cb := Checkpoint(tmp_path/'ck', batches=1)])
-    assert cb.resumed_from is not None
-    assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
+    _cut_and_resumed(run, tmp_path, cut, batches=1)
 
 # -- state as a protocol (issue 51) ------------------------------------------------------------------------------------------
 class _Counting:
