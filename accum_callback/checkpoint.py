@@ -25,15 +25,14 @@ from fastai.torch_core import find_device, to_device
 
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
-from .compat import rng_states, set_rng_states
+from .compat import local_tensor, rng_states, set_rng_states
 from .fastai_compat import train_metrics
-from .distributed import is_distributed, is_fsdp, process_count, process_rank, unwrap
+from .distributed import reduce_floats, is_distributed, is_fsdp, process_count, process_rank, unwrap
 from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching
 from .micro.loader import ReadAhead, can_skip
-from .checkpoint_format import (_MAGIC, CheckpointError,   # (_MAGIC, read_checkpoint: re-exported)
-                                 UnsafeCheckpoint, plain_state, read_checkpoint, reshard,
-                                write_checkpoint)
+from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
+                                write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
                         restore_recorder, set_loader_orders, set_loader_rngs)
 from .validate import whole_number
@@ -41,13 +40,6 @@ _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
 
-def _all_reduce(values:list, op=None)->list:
-    "`values` (floats) reduced over the process group (summed, or by `op`), on the device its backend needs"
-    t = torch.tensor(values, dtype=torch.float32, device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.tolist()
-
-def _local(t): return t.to_local() if hasattr(t, 'to_local') else t
 
 class Checkpoint(Callback):
     """Save the fit every `every` optimizer steps, every `minutes`, at epoch ends (`epoch_end`) and when the process is
@@ -155,8 +147,12 @@ class Checkpoint(Callback):
         self._epoch_rngs = loader_rngs(self._inner(dl))   # the order of this epoch is drawn from these
         self._epoch_start = rng_states()   # (and from these, by loaders that draw from the global RNGs: LMDataLoader)
         self._epoch_orders = loader_orders(self._inner(dl))
-        self._k = 0
+        self._k,self._iter_offset = 0,0
         if self._pending is not None: self._continue(self._pending); self._pending = None
+
+    def before_batch(self):
+        # a resumed epoch's `learn.iter` counts from its place, not from 0 (ShortEpochCallback stops at a fraction)
+        if self.training and getattr(self, '_iter_offset', 0): self.learn.iter += self._iter_offset
 
     def _inner(self, dl): return dl.__dict__.get('dl', dl)   # the loader our read-ahead wraps
 
@@ -182,6 +178,8 @@ class Checkpoint(Callback):
         if self._skipped():   # the Recorder appended this epoch's row: its count of iterations as the checkpoint kept it
             rec,(_,iters) = self.learn.recorder,self._rows
             if self.epoch < len(iters) and rec.iters: rec.iters[-1] = iters[self.epoch]
+            if self.epoch == self._skip_to - 1:
+                for cb in self._quiet: cb.run = True
             return
         if self.epoch_end or self._due(end=True): self._save('end'); self._after_save()
 
@@ -195,7 +193,7 @@ class Checkpoint(Callback):
         if steps == self._checked_steps and not end: return due
         self._checked_steps = steps   # (one all-reduce a window, where the step has one anyway)
         timed = self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes
-        signalled,timed = _all_reduce([float(self._stop is not None), float(timed)])
+        signalled,timed = reduce_floats([float(self._stop is not None), float(timed)])
         if signalled and self._stop is None: self._stop = signal.SIGTERM   # another rank was asked to stop: all stop
         return due or bool(signalled) or bool(timed)
 
@@ -253,9 +251,9 @@ class Checkpoint(Callback):
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
         return dict(
-            where=where, epoch=learn.epoch, k=self._k, signature=self.signature(), opt_steps=self._opt_steps,
-            model={k: _local(v).clone() for k,v in model.state_dict().items()},
-            grads=[None if p.grad is None else _local(p.grad).clone() for p in params],
+            where=where, epoch=learn.epoch, k=self._k, iter_done=getattr(learn, 'iter', -1) + 1 if where == 'mid' else 0, signature=self.signature(), opt_steps=self._opt_steps,
+            model={k: local_tensor(v).clone() for k,v in model.state_dict().items()},
+            grads=[None if p.grad is None else local_tensor(p.grad).clone() for p in params],
             opt=learn.opt.state_dict() if learn.opt is not None else None,
             scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
             rngs=rng_states(), epoch_rngs=self._epoch_start if where == 'mid' else None,
@@ -292,7 +290,7 @@ class Checkpoint(Callback):
             except UnsafeCheckpoint as e:   # never read: said, and passed over like a damaged one
                 warnings.warn(f"Checkpoint: {e}", stacklevel=2); st,ok = None,0.
             except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
-            if process_count() > 1: ok = _all_reduce([ok], dist.ReduceOp.MIN)[0]
+            if process_count() > 1: ok = reduce_floats([ok], dist.ReduceOp.MIN)[0]
             if ok: return s,st
         return None
 
@@ -336,11 +334,11 @@ class Checkpoint(Callback):
         model = unwrap(learn.model)
         with torch.no_grad():
             sd = model.state_dict()
-            for k,v in st['model'].items(): _local(sd[k]).copy_(v)
+            for k,v in st['model'].items(): local_tensor(sd[k]).copy_(v)
             for p,g in zip(model.parameters(), st['grads']):
                 if g is None: p.grad = None
-                elif p.grad is None: p.grad = g.to(_local(p).device) if not hasattr(p, 'to_local') else None
-                else: _local(p.grad).copy_(g)
+                elif p.grad is None: p.grad = g.to(local_tensor(p).device) if not hasattr(p, 'to_local') else None
+                else: local_tensor(p.grad).copy_(g)
         if st['opt'] is not None and learn.opt is not None:
             ps = [p for p,*_ in learn.opt.all_params(with_grad=False)]
             if len(ps) == len(st['opt'].get('state', ())):   # (FSDP2: each parameter's state as its DTensor again)
@@ -375,7 +373,7 @@ class Checkpoint(Callback):
             feed.then = lambda: set_rng_states(st['rngs'])
         else: set_rng_states(st['rngs'])
         if st.get('carried'): load_carried_state(unwrap(learn.model), st['carried'])   # (after ModelResetter's reset)
-        self._k = st['k']
+        self._k,self._iter_offset = st['k'],st.get('iter_done', 0)
         # (fastai's `before_train` set these for the epoch's start after `_load`: its place in the epoch again)
         learn.pct_train,learn.train_iter = st['pct_train'],st['train_iter']
         restore_recorder(learn.recorder, st['recorder'])
@@ -385,6 +383,10 @@ class Checkpoint(Callback):
         so every callback sees its events (the progress bar, `ShowGraphCallback`, `CSVLogger`), and the Recorder logs
         the row the checkpoint kept for it"""
         self._skip_to = first
+        # the callbacks whose state was restored sit the skipped epochs out (fastai's `Callback.run`): a tracker seeing a
+        # done epoch's row again counts it twice (ReduceLROnPlateau cut the learning rate again, EarlyStopping stopped)
+        self._quiet = [cb for _,cb,_,_ in callback_states(self.learn, self)] if first > 0 else []
+        for cb in self._quiet: cb.run = False
         rec = self.learn.recorder
         self._rows = list(getattr(rec, 'values', [])),list(getattr(rec, 'iters', []))
         rec.values,rec.iters = [],[]   # (appended again, epoch by epoch, as the skipped epochs end)

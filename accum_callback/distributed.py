@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
-__all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks',
+__all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
            'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'zero_grads', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
@@ -223,3 +223,9 @@ def gloo_distributed_dl():
     DistributedDL._broadcast = _broadcast
     try: yield
     finally: DistributedDL._broadcast = orig
+
+def reduce_floats(values:list, op=None)->list:
+    "`values` (floats) reduced over the process group (summed, or by `op`), on the device its backend needs"
+    t = torch.tensor(values, dtype=torch.float32, device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()

@@ -496,3 +496,29 @@ def test_the_job_at_three_epochs_resumes_past_the_first(tmp_path, job_ref, cache
 @pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['kill', 'term'])
 def test_the_job_at_three_epochs_killed_in_each_epoch(tmp_path, job_ref, cache, epoch, sig):
     _same_job(job_ref, _killed_in_epoch(tmp_path, epoch, sig))
+
+# -- with fastai's own callbacks as users combine them ----------------------------------------------------------------------
+@pytest.mark.parametrize('extra', ['ReduceLROnPlateau', 'ShortEpochCallback', 'BnFreeze'])
+def test_resumed_with_fastais_callbacks(tmp_path, extra):
+    """A run cut mid-epoch in the second epoch and resumed, with 'pool', a shuffled loader, the progress bar, and one of
+    fastai's callbacks that act on epochs: the uninterrupted weights and buffers bitwise. Before: ReduceLROnPlateau saw
+    the skipped epochs' rows again and cut the learning rate twice; ShortEpochCallback read `learn.iter` from 0 in the
+    resumed epoch and trained past its fraction"""
+    import torch.nn as nn
+    from fastai.callback.training import BnFreeze, ShortEpochCallback
+    from fastai.callback.tracker import ReduceLROnPlateau
+    from fastai.torch_core import set_seed
+    from accum_callback import BatchNormAccumulation
+    make = dict(ReduceLROnPlateau=lambda: ReduceLROnPlateau(patience=0), ShortEpochCallback=lambda: ShortEpochCallback(0.7),
+                BnFreeze=lambda: BnFreeze())[extra]
+    def run(cbs):
+        set_seed(0); torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        learn = make_learner(_data(), 4, model=model, shuffle=True,
+                             cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), make()] + cbs)
+        try: learn.fit(3, 0.05)
+        except Boom: pass
+        return learn
+    ref,again = _cut_and_resumed(run, tmp_path, 11, batches=2)
+    assert all(torch.equal(a, b) for a,b in zip(ref.model.state_dict().values(), again.model.state_dict().values()))
+    assert again.opt.hypers[0]['lr'] == ref.opt.hypers[0]['lr']
