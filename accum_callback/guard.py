@@ -56,9 +56,12 @@ class FitGuard:
         if event_type != 'epoch': return self.orig(f, event_type, ex, final)
         try: return self.orig(f, event_type, ex, final)
         except BaseException as e:
-            for c in list(self.cleanups.values()): c(e)
-            if not isinstance(e, CANCELS): clear_epoch_events(self.learn)
+            self.fail(e, remove=not isinstance(e, CANCELS))
             raise
+    def fail(self, exc, remove:bool=True):
+        "Every registered clean-up, now; the guard goes (`remove`) where the fit ends without `after_fit`"
+        for c in list(self.cleanups.values()): c(exc)
+        if remove: clear_epoch_events(self.learn)
 
 def add_fit_guard(learn, key, cleanup):
     "Call `cleanup(exc)` when an exception leaves an epoch of this `fit`; `key` names it for `remove_fit_guard`"
@@ -70,9 +73,7 @@ def fail_fit(learn, exc):
     """`exc` ends the fit in `before_fit` (a refusal of a callback ordered after others of ours, which have set up
     already): every registered clean-up runs now and the guard goes, as if it had left an epoch"""
     g = epoch_events(learn, own=True)
-    if not isinstance(g, FitGuard): return
-    for c in list(g.cleanups.values()): c(exc)
-    clear_epoch_events(learn)
+    if isinstance(g, FitGuard): g.fail(exc)
 
 def remove_fit_guard(learn, key):
     "Forget `key`'s clean-up; the guard goes once it has none"
