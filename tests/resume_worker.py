@@ -86,7 +86,7 @@ def learner(config:str, folder:Path, extra=()):
 
 def run(config:str, folder:Path, meth:str, extra=()):
     learn = learner(config, folder, extra)
-    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+    with learn.no_logging(), warnings.catch_warnings():   # (fastai's progress bar on, as users run it)
         warnings.simplefilter('ignore')
         if meth == 'fit_one_cycle': learn.fit_one_cycle(3, 1e-2)
         elif meth == 'fine_tune': learn.fine_tune(2, 1e-2, freeze_epochs=1)
