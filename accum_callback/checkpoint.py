@@ -235,7 +235,7 @@ class Checkpoint(Callback):
         bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
         dl = learn.dls.train
         return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, 'world size': process_count(),
-                'window': repr(ga.sched) + f", partial={ga.partial!r}" if ga is not None else None,
+                'window': repr(ga.plan.sched) + f", partial={ga.plan.partial!r}" if ga is not None else None,
                 'micro_bs': (mb.mode if mb is not None else None),
                 'BatchNorm mode': bna.mode if bna is not None else None,
                 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}",

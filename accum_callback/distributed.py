@@ -8,9 +8,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from .validate import flag
 from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
-__all__ = ['is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
+__all__ = ['SyncPolicy', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
            'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'zero_grads', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
@@ -78,6 +79,37 @@ def enter_no_sync(model):
 
 def exit_no_sync(ctx):
     if ctx is not None: ctx.__exit__(None, None, None)
+
+class SyncPolicy:
+    """How a window's gradients meet over the ranks (docs/distributed.md): a micro-batch that does not step accumulates
+    locally (DDP's `no_sync`, FSDP2's gradient sync off) and the one that steps reduces. FSDP2's options:
+    `sharded_grads` reduce-scatters every micro-batch (gradients stay sharded: 1/world the memory, k rounds a window);
+    `gathered_params` keeps the parameters gathered from a window's first forward to its last backward (one all-gather
+    a window). `manual` (the ranks retry micro-batches, `micro_bs='auto'`): none syncs, the window is all-reduced once
+    the ranks agree"""
+    def __init__(self, sharded_grads:bool=False, gathered_params:bool=False):
+        self.sharded_grads,self.gathered_params = flag(sharded_grads, 'sharded_grads'),flag(gathered_params, 'gathered_params')
+
+    def micro_starts(self, model, action, manual:bool):
+        "A micro-batch starts whose unit `action` closes the window ('step', 'drop') or not (None): the no-sync context to exit after its backward"
+        fsdp = is_fsdp(model)
+        ctx = enter_no_sync(model) if (action != 'step' or manual) and not (self.sharded_grads and fsdp) else None
+        if fsdp and self.gathered_params: set_resharding(model, forward=False, backward=action is not None)
+        return ctx
+
+    def reduce(self, model, opt, manual:bool)->int:
+        "The window's gradients over the ranks before its step; returns how many ranks they are averaged over (to undo)"
+        if not manual: return world_size(model)   # DDP / FSDP2 averaged them in the closing backward
+        all_reduce_grads([p for p,*_ in opt.all_params()])   # (a sum: none ran in sync)
+        return 1
+
+    def train_ends(self, model):
+        "Training of an epoch ends: parameters kept gathered are resharded"
+        if self.gathered_params and is_fsdp(model): set_resharding(model, True, True, now=True)
+
+    def zero(self, model, opt=None):
+        "Zero a window's gradients (FSDP2's held ones too; parameters kept gathered are resharded)"
+        zero_grads(model, opt, reshard=self.gathered_params)
 
 def fsdp_params(model):
     "FSDP2's per-parameter records of every sharded module of `model` (torch internals, reached through `compat`)"

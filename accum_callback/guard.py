@@ -9,17 +9,44 @@ from .compat import compiled_with_cuda_graphs
 from .fastai_compat import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
-__all__ = ['WindowOwner', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
 # -- interfaces by which the layers below a callback find it (by class, never by a name or `hasattr`) --------------------
 class WindowOwner:
-    """Declared by the callback that owns the accumulation window (`GradientAccumulation`): `MicroBatching`, a layer
-    below it, finds it by this class and undoes a micro-batch through `window_state()` / `restore_window(state)`"""
-    def window_state(self): raise NotImplementedError
-    def restore_window(self, state): raise NotImplementedError
+    """The window's owner (`GradientAccumulation`) as the parts beside and below it see it: `MicroBatching` finds it by
+    this class and undoes a micro-batch through `window_state()` / `restore_window(state)`; `BatchNormAccumulation` and
+    `GradientNoiseScale` follow its windows (`window_start`, `closes`, `on_window_close`). The owner holds `window` (a
+    `window.Window`) and `window_listeners` (`Listeners`, called with `stepped` as a window closes)"""
+    def window_state(self)->tuple[dict,bool]:
+        "What undoing the micro-batch in progress puts back in the window (`restore_window`), and whether the window holds gradients"
+        return self.window.snapshot(),self.window.is_open
+    def restore_window(self, state:dict): self.window.restore(state)
+    @property
+    def window_start(self)->bool: "Is the micro-batch being processed the first of its window?"; return self.window.n_micro == 0
+    @property
+    def closes(self)->bool: "Does the micro-batch being processed close its window (step or drop)?"; return self.window.closes
+    def on_window_close(self, fn):
+        "Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients zeroed"
+        return self.window_listeners.add(fn)
+    def remove_window_listener(self, fn): self.window_listeners.discard(fn)
+
+class BringsCallbacks:
+    """Declared by a callback that brings others to its Learner (`GradientAccumulation(micro_bs=...)`: its
+    `MicroBatching`), which join it after the Learner is made or at fit start: `refuse_twins` counts them already.
+    Each companion's `brought_by` names it; a companion whose bringer has left the Learner (`remove_cb`) leaves at the
+    next fit start (fastai's `remove_cb` has no event of its own)"""
+    def companions(self)->list: return []
+
+class Companion:
+    "Declared by a callback another brings (`BringsCallbacks`): `brought_by` is that one, or None (added by the user)"
+    brought_by = None
+
+def _orphans(learn)->list:
+    "Companions on `learn` whose bringer is no longer on it"
+    return [c for c in learn.cbs if isinstance(c, Companion) and c.brought_by is not None and c.brought_by not in learn.cbs]
 
 class RunningStatsPolicy:
     """Declared by a callback that decides whether training updates BatchNorm's running statistics
@@ -106,29 +133,44 @@ def _own_class(cb):
 def refuse_twins(learn):
     """A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and
     rescale, two `MicroBatching`s cut twice). Classes take part with `@one_per_learner(hint)`."""
-    seen = {}
+    seen = {}   # class -> [(index in learn.cbs of the callback, or of the one bringing it), callback]
     for i,cb in enumerate(learn.cbs):
-        if (c := _own_class(cb)) is not None: seen.setdefault(c, []).append(i)
+        brought = [x for x in cb.companions() if x not in learn.cbs] if isinstance(cb, BringsCallbacks) else []
+        for x in [cb, *brought]:
+            if (c := _own_class(x)) is not None: seen.setdefault(c, []).append((i, x))
     # fastai's `remove_cb` deletes `learn.<name>` of the twin it removes (a `fit(cbs=...)`'s, after this refusal): the
     # twins (of every class) answer to another name, so that `learn.<name>` stays the first one's
-    for c,idx in seen.items():
-        if len(idx) > 1:
-            for i in idx[1:]: learn.cbs[i].__dict__['_twin'] = True
-            setattr(learn, learn.cbs[idx[0]].name, learn.cbs[idx[0]])
-    for c,idx in seen.items():
-        if len(idx) > 1:
-            raise ValueError(f"This Learner has {len(idx)} `{c.__name__}` callbacks (`learn.cbs[{idx[0]}]` and `learn.cbs"
-                             f"[{idx[1]}]`); it takes one. {c.one_per_learner} Remove the one you do not want: "
-                             f"`learn.remove_cb(learn.cbs[{idx[-1]}])`")
+    for c,xs in seen.items():
+        if len(xs) > 1 and xs[0][1] in learn.cbs:
+            for _,x in xs[1:]:
+                if x in learn.cbs: x.__dict__['_twin'] = True
+            setattr(learn, xs[0][1].name, xs[0][1])
+    for c,xs in seen.items():
+        if len(xs) > 1:
+            (i,a),(j,b) = xs[0],xs[1]
+            say = lambda k, x: f"`learn.cbs[{k}]`" + ("" if x in learn.cbs else f" (the one `{type(learn.cbs[k]).__name__}(micro_bs=...)` brings)")
+            raise ValueError(f"This Learner has {len(xs)} `{c.__name__}` callbacks ({say(i, a)} and {say(j, b)}); it takes one. "
+                             f"{c.one_per_learner} Remove the one you do not want: `learn.remove_cb(learn.cbs[{xs[-1][0]}])`")
 
-def refuse_at_fit_start(learn):
+def refuse_at_fit_start(learn, bring:BringsCallbacks|None=None)->list:
     """Every refusal of every callback on `learn` (twins of ours, then each one's `refuse_fit()` in event order), made
     by the first of them to see `before_fit`, before any of them sets anything up: a refused fit leaves the Learner as
-    it was (no cut loader, no wrapper, no hook), whichever of ours refuses"""
-    refuse_twins(learn)
-    for cb in learn.cbs.sorted('order'):   # (the protocol: a callback with a `refuse_fit()`, ours or a user's)
-        if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # (on the class: fastai passes names on)
+    it was (no cut loader, no wrapper, no hook), whichever of ours refuses. `bring`: a callback whose companions not on
+    `learn` join it for this fit, and have their `before_fit` once nothing is refused; returns those that joined"""
+    learn.remove_cbs(_orphans(learn))   # (a `MicroBatching` of `micro_bs` whose `GradientAccumulation` was removed)
+    joined = [c for c in (bring.companions() if bring is not None else []) if c not in learn.cbs]
+    learn.add_cbs(joined)
+    try:
+        refuse_twins(learn)
+        for cb in learn.cbs.sorted('order'):   # (the protocol: a callback with a `refuse_fit()`, ours or a user's)
+            if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # (on the class: fastai passes names on)
+    except Exception:
+        learn.remove_cbs(joined)
+        for c in joined: c.__dict__.pop('_twin', None)
+        raise
     name_callbacks(learn)
+    for c in joined: c('before_fit')
+    return joined
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

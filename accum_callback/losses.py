@@ -7,7 +7,7 @@ import functools
 from numbers import Integral
 import torch, torch.nn as nn
 
-__all__ = ['loss_reduction', 'loss_items', 'micro_items', 'count_dtype', 'SUM_LOSSES']
+__all__ = ['check_n_items', 'loss_reduction', 'loss_items', 'micro_items', 'count_dtype', 'SUM_LOSSES']
 
 def _inner(lf):
     """The torch loss module behind fastai's `BaseLoss` wrappers (`CrossEntropyLossFlat`, ..., and a subclass that keeps
@@ -58,6 +58,12 @@ def loss_items(loss_func, yb)->torch.Tensor|None:
     if w is None: return keep.sum().float()
     w = w.to(t.device)
     return (w[torch.where(keep, t, 0).long()] * keep).sum().to(torch.float64 if w.dtype == torch.float64 else torch.float32)
+
+def check_n_items(n_items):
+    "`GradientAccumulation(n_items=...)`, checked: a function `f(learn) -> int` or None"
+    if n_items is not None and not callable(n_items):
+        raise TypeError(f"`n_items` must be a function `f(learn) -> int` or None, got {type(n_items).__name__}")
+    return n_items
 
 def micro_items(learn, n_items=None, default=None):
     """The count a micro-batch's loss averages over, the one rule of training and of the check: `n_items(learn)` (the

@@ -22,6 +22,7 @@ from .micro import micro_batching
 from .micro.loader import model_device
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
+from .schedule import WindowSchedule
 from .guard import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .validate import whole_number
 
@@ -123,7 +124,7 @@ class GradientNoiseScale(Callback):
                              "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
         mb = micro_batching(self.learn)
         bs = getattr(self.dls.train, 'bs', None)
-        if mb is None and ga.n_step_sched is not None and ga.n_step_sched.kind == 'const' and ga.n_step_sched.const == 1:
+        if mb is None and not ga.plan.by_items and ga.plan.sched.constant == 1:
             raise ValueError("GradientNoiseScale compares a window's first micro-batch with the whole window, and "
                              "`GradientAccumulation(n_step=1)` makes windows of one micro-batch: nothing would be measured. "
                              "Give `n_step` >= 2 (or `micro_bs`, whose pieces make a window)")
@@ -132,7 +133,7 @@ class GradientNoiseScale(Callback):
                 raise ValueError(f"GradientNoiseScale.schedule(lo={sc.lo}): a window of at most the loader's batch ({bs} items) "
                                  "is one micro-batch, which is never measured, so the window would never grow: give `lo` "
                                  f"above {bs} items (e.g. lo={2*bs}), or leave it out (two micro-batches)")
-        if ga.sharded_grads and is_fsdp(self.model):
+        if ga.sync.sharded_grads and is_fsdp(self.model):
             raise ValueError("GradientNoiseScale under FSDP2 with `GradientAccumulation(sharded_grads=True)`: the first "
                              "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
                              "the default `sharded_grads=False`")
@@ -217,7 +218,7 @@ class GradientNoiseScale(Callback):
         if new: ax.figure.tight_layout()
         return ax
 
-class NoiseScaleSchedule:
+class NoiseScaleSchedule(WindowSchedule):
     """A window size from the measured noise scale, for `GradientAccumulation(target_bs=...)` (`unit='items'`) or
     `n_step=...` (`unit='micro_batches'`, the items divided by the loader's batch size, rounded up): `fraction` times
     B_simple, never smaller than the largest it has given (it only grows), within `[lo, hi]`; `lo` until the first
@@ -238,6 +239,7 @@ class NoiseScaleSchedule:
         self.lr,self.growth = lr,(None if growth is None else whole_number(growth, 'growth'))
         self.source,self.fraction,self.lo,self.hi,self.unit,self.value = source,float(fraction),lo,hi,unit,lo
         self.history = []   # (optimizer step, value) each time it changed
+        self.kind,self.name = 'fn',('target_bs' if unit == 'items' else 'n_step')   # (a `WindowSchedule` known only as training goes)
 
     def resolve_lo(self, learn=None)->int:
         "`lo` in this schedule's unit; left out: two of the training loader's batches (the smallest window measured)"

@@ -6,14 +6,10 @@ layer normalises every micro-batch with its own statistics, as in training, and 
 exactly over the micro-batches (and over DDP/FSDP2 ranks, as SyncBatchNorm would), without gradients, and without
 touching the weights, the optimizer or any RNG."""
 from __future__ import annotations
-import contextlib, random
-from dataclasses import dataclass
+import contextlib
 
-import numpy as np
 import torch, torch.nn as nn
 import torch.distributed as dist
-from fastai.learner import Learner
-from fastcore.basics import patch
 
 from .compat import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
 from .distributed import is_distributed, process_count

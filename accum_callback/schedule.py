@@ -60,10 +60,23 @@ class WindowSchedule:
         if self.kind == 'fn': return self._from_fn(min(max(pct, 0.), 1.))
         return [v for k,v in self.table if k <= epoch][-1]
 
+    @property
+    def constant(self)->int|None: "The window's size where it never changes, else None"; return self.const if self.kind == 'const' else None
+    @property
+    def per_epoch(self)->bool:
+        "Is the size known for a whole epoch ahead (a number or an `{epoch: n}` mapping), not only as training goes?"
+        return self.kind != 'fn'
+    def lr_gain(self, size:int, opt=None)->float:
+        """How much a window of `size` (the schedule's unit: micro-batches for `n_step`, items for `target_bs`)
+        multiplies its step's learning rate: 1 here; a schedule that scales the rate with the window says otherwise
+        (`noise.NoiseScaleSchedule(lr=...)`)"""
+        return 1.
+
     def __repr__(self): return f"WindowSchedule({self.name}={self.value!r})"
 
 def as_window_schedule(value, name:str)->WindowSchedule|None:
-    "`None` stays `None`; anything else becomes a validated `WindowSchedule`"
+    "`None` stays `None`, a `WindowSchedule` (a subclass's too) is taken as it is; anything else becomes a validated one"
+    if isinstance(value, WindowSchedule): value.name = name; return value
     return None if value is None else WindowSchedule(value, name)
 
 def batch_growth_from_lr(lr_sched, base:int, max_value:int|None=None, name:str='n_step'):
@@ -126,7 +139,7 @@ class WindowClock:
                     units:int=0, seen:int=0):
         "An epoch of units of `sizes` items starts (`units`/`seen`: a window carried in from the epoch before)"
         self.epoch,self.n_epoch,self.j = epoch,n_epoch,0
-        self.W = None if sched.kind == 'fn' else (windows_started(sizes, sched(0., epoch), by_items, partial,
+        self.W = None if not sched.per_epoch else (windows_started(sizes, sched(0., epoch), by_items, partial,
                                                                   epoch >= n_epoch-1, units, seen) or None)
     def window_starts(self)->float|None:
         "A window starts: the `pct_train` of the large batch's step it stands for (None: fastai's clock goes on)"

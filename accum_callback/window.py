@@ -64,6 +64,12 @@ class Window:
 
     def __init__(self): self.hypers_now = self.no_sync = None; self.reset(); self.start_micro(); self.phase = Phase.IDLE
 
+    def state_dict(self)->dict:
+        "The window in progress, for a checkpoint between micro-batches (not its open no-sync context or swapped hyper-parameters)"
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ('no_sync', 'hypers_now')}
+    def load_state_dict(self, sd:dict):
+        for k,v in sd.items(): setattr(self, k, v)
+
     def reset(self):
         "Forget the window (what its micro-batches left in the gradients is the caller's to step or zero)"
         self.n_micro,self.n_samples,self.items,self.loss_sum,self.ref,self.hypers,self.target = 0,0,0.,0.,None,None,None

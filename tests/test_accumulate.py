@@ -43,7 +43,7 @@ def test_accumulate_patch_adds_replaces_and_validates_first():
     assert isinstance(learn.gradient_accumulation, GradientAccumulation)
     assert sum(isinstance(c, (GradientAccumulation, FastaiGA)) for c in learn.cbs) == 1
     with pytest.raises(ValueError, match='n_step'): learn.accumulate(0)
-    assert learn.gradient_accumulation.n_step_sched() == 3   # nothing half-applied
+    assert learn.gradient_accumulation.plan.n_step() == 3   # nothing half-applied
 
 def test_fastai_builtin_alongside_fails_clearly_when_training_and_inference_still_works():
     "The conflict is refused when training starts, naming both classes; validate/get_preds work (and never hang)"

@@ -429,8 +429,8 @@ def test_fastai_own_gradient_accumulation_tests_pass_with_ours():
 def test_n_acc_means_fastai_n_acc_and_is_exact():
     "n_acc = target_bs with windows carried over epochs (fastai's count is reset only at fit start); no argument = n_acc=32"
     ga = GradientAccumulation(n_acc=12)
-    assert ga.target_bs_sched() == 12 and ga.partial == 'carry' and ga.n_step_sched is None
-    assert GradientAccumulation().target_bs_sched() == 32 and GradientAccumulation(n_acc=12, partial='step').partial == 'step'
+    assert ga.plan.target_bs() == 12 and ga.plan.partial == 'carry' and ga.plan.n_step is None
+    assert GradientAccumulation().plan.target_bs() == 32 and GradientAccumulation(n_acc=12, partial='step').plan.partial == 'step'
     spy = WindowSpy()
     learn = img_learner(4, [GradientAccumulation(n_acc=12), spy], n=28)
     fit_silent(learn, 2)

@@ -35,7 +35,7 @@ def run(n, bs, n_epoch, **kw):
 ])
 def test_windows_follow_the_schedule_and_stay_exact(kw, by_items):
     ga, spy = run(50, 4, 3, **kw)
-    exp = expected(50, 4, 3, ga.sched, by_items)
+    exp = expected(50, 4, 3, ga.plan.sched, by_items)
     assert list(zip(ga.window_sizes, ga.window_micro)) == exp
     assert len(set(ga.window_micro)) > 1                 # the window really changed size
     assert max(spy.errs) <= TOL, spy.errs
@@ -44,7 +44,7 @@ def test_windows_follow_the_schedule_and_stay_exact(kw, by_items):
 @given(e1=st.integers(1, 6), e2=st.integers(1, 6), bs=st.integers(1, 7), n=st.integers(5, 40))
 def test_property_epoch_mapping(e1, e2, bs, n):
     ga, spy = run(n, bs, 2, n_step={0: e1, 1: e2})
-    assert list(zip(ga.window_sizes, ga.window_micro)) == expected(n, bs, 2, ga.sched)
+    assert list(zip(ga.window_sizes, ga.window_micro)) == expected(n, bs, 2, ga.plan.sched)
     assert all(e <= TOL for e in spy.errs)
 
 def test_new_value_waits_for_the_next_window():

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..guard import CANCELS, Companion, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from ..validate import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -28,7 +28,7 @@ def check_micro_bs(micro_bs, name:str='micro_bs'):
     except NotWholeNumber: raise NotWholeNumber(f"`{name}` must be a whole number >= 1 or 'auto', got {micro_bs!r}") from None
 
 @one_per_learner("`GradientAccumulation(micro_bs=...)` adds one: give the size there, or add `MicroBatching` yourself.")
-class MicroBatching(Callback):
+class MicroBatching(Callback, Companion):
     """Cut every training batch into near-equal micro-batches of at most `size` items, or under `'auto'` of the largest
     size that fits (the loader's batch first, halved after each out-of-memory error, the same samples run again; on a
     GPU the next smaller size is timed once and the faster kept). Under 'auto' an inference batch whose forward or loss
@@ -72,7 +72,9 @@ class MicroBatching(Callback):
         if in_inference(learn):   # `validate`, `get_preds`, `predict`, `tta`: cut a batch that runs out of memory
             self.inference.learn = learn
             return
+        if learn is None: return   # (brought by a `GradientAccumulation` no longer on the Learner: it left at this fit's start)
         refuse_at_fit_start(learn)   # (the first of ours in a fit: every refusal of ours before anything is set up)
+        if self not in learn.cbs: return   # (the same, found by this refusal)
         ga = self._window()
         self.rows.unwatch()
         self.rows = RowStates(stateful_modules(learn.model)[0])

@@ -1,0 +1,67 @@
+"""One global order of samples for every number of processes (`GradientAccumulation(target_bs=..., global_window=True)`).
+fastai's `DistributedDL` gives rank r a contiguous r-th of the epoch's order, so a window of 2 ranks x 2 micro-batches
+holds other samples than one of 1 rank x 4 (and pads the order by repeating samples). `WindowShardDL` cuts the same
+global order (rank 0's, shared) into windows of `target_bs` samples and gives each rank its contiguous share of each
+window: a window holds the same samples, cut into the same micro-batches, on 1, 2 or 4 ranks, and the run is the same
+large-batch run on any of them (docs/distributed.md)"""
+from __future__ import annotations
+import functools
+
+import torch
+import torch.distributed as dist
+
+__all__ = ['window_share', 'window_shard_dl', 'shard_by_window', 'check_window_share']
+
+def window_share(idxs:list, window:int, world:int, rank:int)->list:
+    """Rank `rank`'s samples of the global order `idxs`: its contiguous `window/world` share of each whole window of
+    `window` samples (a partial last window is left out: no rank reads it)"""
+    share = window//world
+    return [i for s in range(0, len(idxs)-window+1, window) for i in idxs[s+rank*share:s+(rank+1)*share]]
+
+@functools.cache
+def window_shard_dl()->type:
+    """The class `WindowShardDL`, made on first use: fastai's `fastai.distributed` loads Accelerate (and torch's FSDP
+    with it), which a fit on one process should not pay for"""
+    from fastai.distributed import DistributedDL
+    class WindowShardDL(DistributedDL):
+        "fastai's `DistributedDL` over `dl`, sharded window by window of `window` samples (`window_share`)"
+        def __init__(self, dl, window:int, rank:int|None=None, world_size:int|None=None):
+            super().__init__(dl, rank, world_size)
+            self.window = window
+
+        def _broadcast(self, t, rank:int)->list:
+            "The order from `rank` (rank 0) to every rank: a CPU tensor over gloo, a CUDA one over NCCL"
+            t = torch.as_tensor(t, dtype=torch.long)
+            if dist.get_backend() == 'nccl': t = t.cuda()
+            dist.broadcast(t, rank)
+            return t.cpu().tolist()
+
+        def __len__(self)->int: return self.dl.n//self.window*(self.window//self.world_size)//self.bs
+        def get_idxs(self)->list:
+            idxs = self._broadcast(list(self.dl.get_idxs()), 0)   # (every rank draws it, as fastai's, so RNGs stay alike)
+            self.n = len(idxs)
+            return window_share(idxs, self.window, self.world_size, self.rank)
+    return WindowShardDL
+
+def shard_by_window(dl, window:int, partial:str):
+    """`dl` (fastai's `DistributedDL` of the training loader, as `learn.distrib_ctx()` makes it) re-sharded by windows
+    of `window` samples; refused, naming the numbers, where a window does not cut into the ranks' micro-batches"""
+    from fastai.distributed import DistributedDL
+    if isinstance(dl, window_shard_dl()): return dl
+    if not isinstance(dl, DistributedDL):
+        raise ValueError("GradientAccumulation(global_window=True) under DDP reads the training loader through fastai's "
+                         f"`DistributedDL` (`learn.distrib_ctx()`, `learn.to_distributed()`), and this fit's is a "
+                         f"{type(dl).__name__}: launch through fastai's distributed path, or leave global_window out")
+    check_window_share(window, dl.world_size, dl.bs, dl.dl.n, partial)
+    return window_shard_dl()(dl.dl, window, dl.rank, dl.world_size)
+
+def check_window_share(window:int, world:int, bs:int, n:int, partial:str):
+    "Can `world` ranks share each window of `window` samples in micro-batches of `bs`, of `n` samples? (refused, naming the numbers)"
+    if window % (world*bs):
+        raise ValueError(f"GradientAccumulation(target_bs={window}, global_window=True): a window of {window} samples over "
+                         f"{world} ranks in micro-batches of {bs} is {window/(world*bs):g} micro-batches a rank; give a "
+                         f"target_bs that {world}x{bs} = {world*bs} divides, or a loader batch size that divides {window//world}")
+    if n % window and partial != 'drop':
+        raise ValueError(f"GradientAccumulation(target_bs={window}, global_window=True): {n} samples leave a last window "
+                         f"of {n % window}, which {world} ranks cannot share as one process would run it: give "
+                         "partial='drop' (every number of processes drops it), or a target_bs that divides the data")

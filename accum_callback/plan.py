@@ -1,0 +1,90 @@
+"""The window plan: how large a window is (its schedule: `n_step` micro-batches or `target_bs` items), which unit closes
+it (`schedule.decide`), the schedule's clock in windows (`schedule.WindowClock`) and the step's learning-rate gain.
+`GradientAccumulation` asks it once a unit (a micro-batch, or with `micro_bs` a loader batch cut into micro-batches)"""
+from __future__ import annotations
+import math
+
+from .distributed import is_distributed, process_count
+from .global_order import check_window_share, shard_by_window
+from .micro.loader import batch_sizes
+from .schedule import WindowClock, WindowSchedule, decide, window_arguments
+from .validate import flag
+
+__all__ = ['WindowPlan']
+
+class WindowPlan:
+    "The window's size and rule, from `GradientAccumulation`'s window arguments (checked at construction)"
+    def __init__(self, n_step=None, target_bs=None, n_acc=None, partial=None, cut:bool=False, count:int|None=None,
+                 global_window:bool=False):
+        """`count`: `GradientAccumulation`'s positional argument, read as `n_step`. `global_window`: `target_bs` counts
+        the samples of all ranks together, each window's samples the same on any number of them (`global_order`)"""
+        if count is not None:
+            if n_step is not None: raise TypeError(f"GradientAccumulation: a count ({count!r}) and `n_step` ({n_step!r}): give one, by name")
+            n_step = count
+        self.n_step,self.target_bs,self.partial = window_arguments(n_step, target_bs, n_acc, partial, cut=cut)
+        self.global_window = flag(global_window, 'global_window')
+        if global_window and (self.target_bs is None or self.target_bs.constant is None or n_acc is not None or cut):
+            raise ValueError("GradientAccumulation(global_window=True) keeps a window of `target_bs` samples over all ranks: "
+                             f"give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r}, n_acc={n_acc!r}), "
+                             "without micro_bs")
+        self.n_acc = n_acc   # fastai's spelling of `target_bs` (its windows carried over epochs)
+        self.clock,self.decided = WindowClock(),0   # `decided`: the last loader batch decided (`micro_bs`)
+
+    @property
+    def sched(self)->WindowSchedule: "The window's schedule"; return self.n_step or self.target_bs
+    @property
+    def by_items(self)->bool: "Is the window counted in items (`target_bs`, `n_acc`) rather than micro-batches?"; return self.n_step is None
+
+    @property
+    def ranks(self)->int: "Ranks a window's `target_bs` is counted over: all of them with `global_window`, else 1"; return process_count() if self.global_window else 1
+
+    def units(self, target:int, bs:int)->int:
+        "Units a full window of `target` (0: the schedule's now) takes on this rank at the loader's batch size `bs`"
+        if not self.by_items: return target or self.n_step()
+        return max(1, math.ceil((target or self.target_bs())/(bs*self.ranks)))
+
+    def check_ranks(self, learn):
+        "At fit start, before anything is set up: with `global_window` over several processes, can they share each window?"
+        dl = learn.dls.train
+        if self.global_window and process_count() > 1: check_window_share(self.target_bs(), process_count(), dl.bs, dl.n, self.partial)
+
+    def loader(self, dl, model):
+        "The training loader to read: with `global_window` under DDP, fastai's rank shares cut again window by window"
+        return shard_by_window(dl, self.target_bs(), self.partial) if self.global_window and is_distributed(model) else dl
+
+    def micro_batches(self, window, bs:int|None, mb=None)->int:
+        "Micro-batches a full window takes now: its units at loader batch size `bs`, each cut by `mb` (`MicroBatching`) where it cuts"
+        bs = bs or window.bs or 1   # (a loader of ready-made batches has no bs)
+        k = self.units(window.target, bs)
+        return k*mb.pieces(bs) if mb is not None and mb.size else k
+
+    def decide(self, learn, target:int, b:int, units:int, seen:int, last:bool, ddp:bool)->str|None:
+        """'step', 'drop' or None (the window stays open) for a unit of `b` items after `units` units and `seen` items.
+        DDP: every rank must decide alike before the forward pass, so items are counted at the loader's batch size
+        (a rank's short last batch would otherwise close its window later than the other ranks')"""
+        if ddp: seen,b = units*learn.dls.train.bs*self.ranks,learn.dls.train.bs*self.ranks
+        return decide(b, units, seen, target, self.by_items, last, self.partial, learn.epoch >= learn.n_epoch-1)
+
+    def start_epoch(self, learn, dl, units:int, seen:int, ddp:bool):
+        "An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows"
+        sizes = [learn.dls.train.bs*self.ranks]*len(batch_sizes(dl)) if ddp else batch_sizes(dl)
+        self.clock.start_epoch(learn.epoch, learn.n_epoch, sizes, self.sched, self.by_items, self.partial, units, seen)
+
+    def window_starts(self, learn)->int:
+        """A window starts: fastai's clock (`learn.pct_train`) set to the large batch's step it stands for; returns the
+        window's size from the schedule at that point"""
+        if (pct := self.clock.window_starts()) is not None: learn.pct_train = pct
+        return self.sched(learn.pct_train, learn.epoch)
+
+    def step_hypers(self, window, cut:bool, shared_bs:int|None, opt)->list|None:
+        """The hyper-parameters of `window`'s step: the learning rate times the schedule's `lr_gain` for the window's
+        size in the schedule's unit (loader batches where `cut`), alike on every rank (`shared_bs`: DDP's loader batch
+        size, at which its micro-batches are counted)"""
+        if not window.hypers: return window.hypers
+        units = window.n_units if cut else window.n_micro
+        items = window.n_micro*shared_bs*self.ranks if shared_bs else window.n_samples
+        g = self.sched.lr_gain(items if self.by_items else units, opt)
+        return window.hypers if g == 1. else [{**h, 'lr': h['lr']*g} if 'lr' in h else h for h in window.hypers]
+
+    def state_dict(self)->dict: return dict(clock=dict(vars(self.clock)), decided=self.decided)
+    def load_state_dict(self, sd:dict): self.clock.__dict__.update(sd['clock']); self.decided = sd['decided']

@@ -1,0 +1,50 @@
+"""Runs for tests/test_global_order.py on 1 process or on gloo processes (`launch_gloo`): a float64 MLP trained with
+`fit_one_cycle` and `GradientAccumulation(target_bs=..., global_window=True)`, shuffled, through fastai's distributed
+path; each returns the final weights and, for each optimizer step, the ids of the samples this rank put in its window"""
+import warnings
+import torch
+from torch.utils.data import TensorDataset
+from fastai.callback.core import Callback, CancelValidException
+
+from accum_callback import GradientAccumulation
+from accum_callback.testing import regression_data
+from helpers import MLP, make_learner
+
+LR = 0.05
+
+class WindowIds(Callback):
+    "The ids (the data's first input column) of the samples of each stepped window on this rank; validation skipped"
+    order = 100
+    def before_fit(self):
+        self.windows,self.cur = [],[]
+        self.learn.gradient_accumulation.on_window_close(self.closed)
+    def after_backward(self): self.cur += self.learn.xb[0][:, 0].round().long().tolist()
+    def closed(self, stepped):
+        if stepped: self.windows.append(self.cur)
+        self.cur = []
+    def before_validate(self): raise CancelValidException()
+
+def data(n, seed=0):
+    "`n` samples whose first input column is the sample's id (the model sees it, scaled down: a real input)"
+    x,y = regression_data(n, seed=seed, dtype=torch.float64).tensors
+    return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
+
+def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True):
+    ds = data(n, seed)
+    torch.manual_seed(seed); import random; random.seed(seed)
+    model = torch.nn.Sequential(Scale(), MLP(n_in=ds.tensors[0].shape[1], n_out=ds.tensors[1].shape[1], seed=seed)).double()
+    spy = WindowIds()
+    learn = make_learner(ds, bs, cbs=[GradientAccumulation(target_bs=window, partial=partial, global_window=global_window), spy],
+                         model=model, lr=LR, dtype=torch.float64, shuffle=True)
+    with warnings.catch_warnings(), learn.no_logging():
+        warnings.simplefilter('ignore')
+        if world == 1: learn.fit_one_cycle(n_epoch, LR)
+        else:
+            from accum_callback.distributed import gloo_distributed_dl
+            with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True): learn.fit_one_cycle(n_epoch, LR)
+    return dict(params=torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()]), windows=spy.windows,
+                steps=learn.gradient_accumulation.steps)
+
+class Scale(torch.nn.Module):
+    "The id column scaled to the others' size"
+    def forward(self, x): return torch.cat([x[:, :1]/100., x[:, 1:]], 1)

@@ -1,0 +1,65 @@
+"""`GradientAccumulation(target_bs=..., global_window=True)` (issue 54, its first part): the same large-batch run on any
+number of processes. fastai's `DistributedDL` gives each rank a contiguous part of the epoch's order, so 2 ranks x 2
+micro-batches held other samples than 1 rank x 4: the runs on 1 and 2 processes ended apart. With `global_window` each
+window of `target_bs` samples is the same on 1, 2 and 4 gloo processes (listed and compared window by window), and the
+weights after `fit_one_cycle` (shuffled, float64) equal the 1-process run's to 1e-6 relative."""
+import pytest
+import torch
+
+from accum_callback import GradientAccumulation
+from accum_callback.global_order import window_share
+from accum_callback.testing import launch_gloo
+from helpers import rel_err
+import elastic_worker as W
+
+TOL = 1e-6
+
+def test_window_share_gives_each_rank_its_part_of_each_window():
+    idxs = list(range(20, 0, -1))
+    assert window_share(idxs, 8, 2, 0) == [20, 19, 18, 17, 12, 11, 10, 9] and window_share(idxs, 8, 2, 1) == [16, 15, 14, 13, 8, 7, 6, 5]
+    # the ranks' shares, window by window, are the global order less its partial last window (4 of 20 here)
+    for world in (1, 2, 4):
+        shares = [window_share(idxs, 8, world, r) for r in range(world)]
+        per = 8//world
+        got = [i for k in range(2) for s in shares for i in s[k*per:(k+1)*per]]
+        assert got == idxs[:16]
+
+def _global(per_rank):
+    "Each step's window over all ranks, rank by rank"
+    assert len({len(w) for w in per_rank}) == 1   # every rank steps as often
+    return [sum((r[k] for r in per_rank), []) for k in range(len(per_rank[0]))]
+
+@pytest.fixture(scope='module')
+def one():
+    return W.train(world=1)
+
+@pytest.mark.parametrize('world', [2, 4])
+def test_the_same_windows_and_weights_on_any_number_of_processes(one, world):
+    """96 samples, micro-batches of 4, windows of 32 samples, two epochs of `fit_one_cycle`: 6 steps, each on the same
+    32 samples cut into the same micro-batches whatever the number of processes; the weights equal to 1e-6"""
+    rs = launch_gloo(W.train, world=world, timeout=120)
+    assert one['steps'] == 6 and all(r['steps'] == 6 for r in rs)
+    assert _global([r['windows'] for r in rs]) == one['windows']
+    for r in rs: assert rel_err(r['params'], one['params']) <= TOL
+    # fastai's own sharding, without global_window: other windows, other weights (what this fixes)
+    if world == 2:
+        plain = launch_gloo(W.train, world=2, kwargs=dict(window=16, global_window=False), timeout=120)
+        assert _global([r['windows'] for r in plain]) != one['windows']
+        assert rel_err(plain[0]['params'], one['params']) > 1e-3
+
+def test_a_partial_last_window_is_dropped_alike_or_refused():
+    "100 samples in windows of 32 leave 4: dropped on every number of processes with partial='drop'; refused otherwise"
+    one = W.train(world=1, n=100, partial='drop')
+    rs = launch_gloo(W.train, world=2, kwargs=dict(n=100, partial='drop'), timeout=120)
+    assert _global([r['windows'] for r in rs]) == one['windows'] and one['steps'] == 6
+    assert rel_err(rs[0]['params'], one['params']) <= TOL
+    with pytest.raises(RuntimeError, match=r"last window of 4.*partial='drop'"):
+        launch_gloo(W.train, world=2, kwargs=dict(n=100), timeout=120)
+
+def test_a_window_the_ranks_cannot_share_is_refused_naming_the_numbers():
+    with pytest.raises(RuntimeError, match=r"target_bs=24.*3 micro-batches a rank|target_bs=24.*divides"):
+        launch_gloo(W.train, world=4, kwargs=dict(window=24), timeout=120)
+
+def test_global_window_needs_a_number_of_samples():
+    for kw in (dict(n_step=2), dict(target_bs={0: 8}), dict(n_acc=32), dict(target_bs=32, micro_bs=2)):
+        with pytest.raises(ValueError, match='global_window=True'): GradientAccumulation(global_window=True, **kw)
