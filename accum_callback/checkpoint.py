@@ -35,6 +35,7 @@ from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
                         restore_recorder, set_loader_orders, set_loader_rngs)
+from .elastic import elastic_state, is_elastic, loader_signature, source_rank
 from .validate import whole_number
 _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
@@ -79,7 +80,7 @@ class Checkpoint(Callback):
     def folder(self)->Path:
         p = Path(self.path)
         return p if p.is_absolute() else Path(self.learn.path)/p
-    def _file(self, serial:int, rank:int)->Path: return self.folder/f'ckpt-{serial:06d}.rank{rank}.pt'
+    def file(self, serial:int, rank:int)->Path: "The file of checkpoint `serial` that `rank` wrote"; return self.folder/f'ckpt-{serial:06d}.rank{rank}.pt'
     def _serials(self)->list:
         found = set()
         for f in self.folder.glob('ckpt-*.rank*.pt'):
@@ -233,12 +234,9 @@ class Checkpoint(Callback):
         learn,ga = self.learn,self._ga()
         mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
         bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
-        dl = learn.dls.train
-        return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, 'world size': process_count(),
+        return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, **loader_signature(learn, ga),
                 'window': repr(ga.plan.sched) + f", partial={ga.plan.partial!r}" if ga is not None else None,
-                'micro_bs': (mb.mode if mb is not None else None),
-                'BatchNorm mode': bna.mode if bna is not None else None,
-                'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}",
+                'micro_bs': (mb.mode if mb is not None else None), 'BatchNorm mode': bna.mode if bna is not None else None,
                 'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()],
                 **getattr(self, '_fit_args', {})}
 
@@ -251,7 +249,7 @@ class Checkpoint(Callback):
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
         return dict(
-            where=where, epoch=learn.epoch, k=self._k, iter_done=getattr(learn, 'iter', -1) + 1 if where == 'mid' else 0, signature=self.signature(), opt_steps=self._opt_steps,
+            where=where, world=process_count(), epoch=learn.epoch, k=self._k, iter_done=getattr(learn, 'iter', -1) + 1 if where == 'mid' else 0, signature=self.signature(), opt_steps=self._opt_steps,
             model={k: local_tensor(v).clone() for k,v in model.state_dict().items()},
             grads=[None if p.grad is None else local_tensor(p.grad).clone() for p in params],
             opt=learn.opt.state_dict() if learn.opt is not None else None,
@@ -268,25 +266,25 @@ class Checkpoint(Callback):
 
     def _save(self, where:str):
         self.serial += 1
-        f = self._file(self.serial, process_rank())
+        f = self.file(self.serial, process_rank())
         try: _write(f, self._snapshot(where)); ok = True
         except OSError as e:   # a full disk, a folder made read-only: said, and training goes on (the next one tries again)
             ok = False
-            last = self._file(self.saved[-1], process_rank()) if self.saved else None
+            last = self.file(self.saved[-1], process_rank()) if self.saved else None
             warnings.warn(f"Checkpoint: could not write {f} ({type(e).__name__}: {e}); training goes on, the last good "
                           f"checkpoint is {last or 'none yet'}, the next one due tries again", stacklevel=2)
         if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
         if not ok: return
         self.saved.append(self.serial)
         for s in self._serials()[:-self.keep]:
-            try: self._file(s, process_rank()).unlink()
+            try: self.file(s, process_rank()).unlink()
             except FileNotFoundError: pass
 
     # -- resuming -------------------------------------------------------------------------------------------------
     def _newest(self):
         "The newest checkpoint every rank can read whole (a cut or damaged one is passed over), or None"
         for s in reversed(self._serials()):
-            try: st = read_checkpoint(self._file(s, process_rank())); ok = 1.
+            try: st = read_checkpoint(self.file(s, source_rank(self._ga()))); ok = 1.
             except UnsafeCheckpoint as e:   # never read: said, and passed over like a damaged one
                 warnings.warn(f"Checkpoint: {e}", stacklevel=2); st,ok = None,0.
             except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
@@ -298,7 +296,8 @@ class Checkpoint(Callback):
         found = self._newest()
         if found is None: return
         serial,st = found
-        self.resumed_from = self._file(serial, process_rank())
+        self.resumed_from = self.file(serial, source_rank(self._ga()))
+        if is_elastic(self._ga()): st,self.resumed_from = elastic_state(self, serial, st, self._ga())   # (rank 0's file, maybe of another number of processes)
         sig,now = st['signature'],self.signature()
         if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
             if sig['fit'] == now['fit']:

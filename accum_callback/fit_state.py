@@ -43,7 +43,8 @@ def _loaders(dl)->list:
 
 def loader_rngs(dl)->list: return [l.rng.getstate() if hasattr(l, 'rng') and hasattr(l.rng, 'getstate') else None for l in _loaders(dl)]
 def set_loader_rngs(dl, states:list):
-    for l,s in zip(_loaders(dl), states):
+    "Put `loader_rngs` back, innermost first (a run resumed on another number of processes wraps the loader otherwise)"
+    for l,s in zip(reversed(_loaders(dl)), reversed(states)):
         if s is not None: l.rng.setstate(s)
 
 def loader_orders(dl)->list:
@@ -57,7 +58,7 @@ def loader_orders(dl)->list:
     return out
 
 def set_loader_orders(dl, saved):
-    for l,o in zip(_loaders(dl), saved or ()):
+    for l,o in zip(reversed(_loaders(dl)), reversed(saved or ())):
         if o is None: continue
         idxs = l.__dict__['items'].idxs   # in place: LMDataLoader's `lens` shares this very list
         for i,v in enumerate(o): idxs[i] = v

@@ -10,13 +10,23 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ['window_share', 'window_shard_dl', 'shard_by_window', 'check_window_share']
+__all__ = ['global_samples', 'window_share', 'window_shard_dl', 'shard_by_window', 'check_window_share']
 
-def window_share(idxs:list, window:int, world:int, rank:int)->list:
+def global_samples(dl)->int:
+    "Samples in an epoch of the whole training loader (`dl`, or the loader fastai's `DistributedDL` wraps)"
+    return dl.__dict__.get('dl', dl).n
+
+def window_share(idxs:list, window:int, world:int, rank:int, partial:bool=True)->list:
     """Rank `rank`'s samples of the global order `idxs`: its contiguous `window/world` share of each whole window of
-    `window` samples (a partial last window is left out: no rank reads it)"""
-    share = window//world
-    return [i for s in range(0, len(idxs)-window+1, window) for i in idxs[s+rank*share:s+(rank+1)*share]]
+    `window` samples, and of a partial last window as even a share as can be, the first ranks one more (`partial=False`:
+    left out, no rank reads it)"""
+    share,full = window//world,len(idxs)//window*window
+    out = [i for s in range(0, full, window) for i in idxs[s+rank*share:s+(rank+1)*share]]
+    if partial and len(idxs) > full:
+        base,extra = divmod(len(idxs)-full, world)
+        lo = full + rank*base + min(rank, extra)
+        out += idxs[lo:lo+base+(rank < extra)]
+    return out
 
 @functools.cache
 def window_shard_dl()->type:
@@ -24,10 +34,10 @@ def window_shard_dl()->type:
     with it), which a fit on one process should not pay for"""
     from fastai.distributed import DistributedDL
     class WindowShardDL(DistributedDL):
-        "fastai's `DistributedDL` over `dl`, sharded window by window of `window` samples (`window_share`)"
-        def __init__(self, dl, window:int, rank:int|None=None, world_size:int|None=None):
+        "fastai's `DistributedDL` over `dl`, sharded window by window of `window` samples (`window_share`; `partial`: the last one shared too)"
+        def __init__(self, dl, window:int, rank:int|None=None, world_size:int|None=None, partial:bool=True):
             super().__init__(dl, rank, world_size)
-            self.window = window
+            self.window,self.partial = window,partial
 
         def _broadcast(self, t, rank:int)->list:
             "The order from `rank` (rank 0) to every rank: a CPU tensor over gloo, a CUDA one over NCCL"
@@ -36,11 +46,11 @@ def window_shard_dl()->type:
             dist.broadcast(t, rank)
             return t.cpu().tolist()
 
-        def __len__(self)->int: return self.dl.n//self.window*(self.window//self.world_size)//self.bs
+        def __len__(self)->int: return len(window_share(range(self.dl.n), self.window, self.world_size, self.rank, self.partial))//-self.bs*-1
         def get_idxs(self)->list:
             idxs = self._broadcast(list(self.dl.get_idxs()), 0)   # (every rank draws it, as fastai's, so RNGs stay alike)
             self.n = len(idxs)
-            return window_share(idxs, self.window, self.world_size, self.rank)
+            return window_share(idxs, self.window, self.world_size, self.rank, self.partial)
     return WindowShardDL
 
 def shard_by_window(dl, window:int, partial:str):
@@ -53,7 +63,7 @@ def shard_by_window(dl, window:int, partial:str):
                          f"`DistributedDL` (`learn.distrib_ctx()`, `learn.to_distributed()`), and this fit's is a "
                          f"{type(dl).__name__}: launch through fastai's distributed path, or leave global_window out")
     check_window_share(window, dl.world_size, dl.bs, dl.dl.n, partial)
-    return window_shard_dl()(dl.dl, window, dl.rank, dl.world_size)
+    return window_shard_dl()(dl.dl, window, dl.rank, dl.world_size, partial != 'drop')
 
 def check_window_share(window:int, world:int, bs:int, n:int, partial:str):
     "Can `world` ranks share each window of `window` samples in micro-batches of `bs`, of `n` samples? (refused, naming the numbers)"
@@ -61,7 +71,8 @@ def check_window_share(window:int, world:int, bs:int, n:int, partial:str):
         raise ValueError(f"GradientAccumulation(target_bs={window}, global_window=True): a window of {window} samples over "
                          f"{world} ranks in micro-batches of {bs} is {window/(world*bs):g} micro-batches a rank; give a "
                          f"target_bs that {world}x{bs} = {world*bs} divides, or a loader batch size that divides {window//world}")
-    if n % window and partial != 'drop':
+    base,extra = divmod(n % window, world)   # a partial last window (dropped: no rank reads it)
+    if n % window and partial != 'drop' and (base == 0 or (extra and base % bs == 0)):
         raise ValueError(f"GradientAccumulation(target_bs={window}, global_window=True): {n} samples leave a last window "
-                         f"of {n % window}, which {world} ranks cannot share as one process would run it: give "
-                         "partial='drop' (every number of processes drops it), or a target_bs that divides the data")
+                         f"of {n % window}, which {world} ranks cannot share in as many micro-batches of {bs} each: give "
+                         "partial='drop' (every number of processes drops it), or a target_bs that leaves another remainder")

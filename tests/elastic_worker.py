@@ -29,21 +29,40 @@ def data(n, seed=0):
     x,y = regression_data(n, seed=seed, dtype=torch.float64).tensors
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
 
-def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True):
+class _Cut(Exception): pass
+
+class CutAt(Callback):
+    "Raise `_Cut` at the end of this rank's `at`-th training micro-batch, after any checkpoint there (the job dies)"
+    order = 99
+    def __init__(self, at): self.at,self.k = at,0
+    def after_batch(self):
+        if self.training:
+            self.k += 1
+            if self.k == self.at: raise _Cut('cut')
+
+def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None):
+    """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this
+    rank's micro-batch at whose end the run dies (returned: the windows until then)"""
+    from accum_callback import Checkpoint
     ds = data(n, seed)
     torch.manual_seed(seed); import random; random.seed(seed)
     model = torch.nn.Sequential(Scale(), MLP(n_in=ds.tensors[0].shape[1], n_out=ds.tensors[1].shape[1], seed=seed)).double()
     spy = WindowIds()
-    learn = make_learner(ds, bs, cbs=[GradientAccumulation(target_bs=window, partial=partial, global_window=global_window), spy],
-                         model=model, lr=LR, dtype=torch.float64, shuffle=True)
-    with warnings.catch_warnings(), learn.no_logging():
-        warnings.simplefilter('ignore')
-        if world == 1: learn.fit_one_cycle(n_epoch, LR)
-        else:
-            from accum_callback.distributed import gloo_distributed_dl
-            with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True): learn.fit_one_cycle(n_epoch, LR)
+    cbs = [GradientAccumulation(target_bs=window, partial=partial, global_window=global_window), spy]
+    if ckpt is not None: cbs.append(Checkpoint(ckpt[0], **ckpt[1]))
+    if cut is not None: cbs.append(CutAt(cut))
+    learn = make_learner(ds, bs, cbs=cbs, model=model, lr=LR, dtype=torch.float64, shuffle=True)
+    try:
+        with warnings.catch_warnings(), learn.no_logging():
+            warnings.simplefilter('ignore')
+            if world == 1: learn.fit_one_cycle(n_epoch, LR)
+            else:
+                from accum_callback.distributed import gloo_distributed_dl
+                with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True): learn.fit_one_cycle(n_epoch, LR)
+    except _Cut: return dict(windows=spy.windows, cut=True)
+    ck = next((c for c in learn.cbs if isinstance(c, Checkpoint)), None)
     return dict(params=torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()]), windows=spy.windows,
-                steps=learn.gradient_accumulation.steps)
+                steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None)
 
 class Scale(torch.nn.Module):
     "The id column scaled to the others' size"

@@ -2,7 +2,8 @@
 number of processes. fastai's `DistributedDL` gives each rank a contiguous part of the epoch's order, so 2 ranks x 2
 micro-batches held other samples than 1 rank x 4: the runs on 1 and 2 processes ended apart. With `global_window` each
 window of `target_bs` samples is the same on 1, 2 and 4 gloo processes (listed and compared window by window), and the
-weights after `fit_one_cycle` (shuffled, float64) equal the 1-process run's to 1e-6 relative."""
+weights after `fit_one_cycle` (shuffled, float64) equal the 1-process run's to 1e-6 relative. A run stopped on one
+number of processes and resumed on another is the same run too (`accum_callback.elastic`)."""
 import pytest
 import torch
 
@@ -16,13 +17,16 @@ TOL = 1e-6
 
 def test_window_share_gives_each_rank_its_part_of_each_window():
     idxs = list(range(20, 0, -1))
-    assert window_share(idxs, 8, 2, 0) == [20, 19, 18, 17, 12, 11, 10, 9] and window_share(idxs, 8, 2, 1) == [16, 15, 14, 13, 8, 7, 6, 5]
+    assert window_share(idxs, 8, 2, 0) == [20, 19, 18, 17, 12, 11, 10, 9, 4, 3] and window_share(idxs, 8, 2, 1) == [16, 15, 14, 13, 8, 7, 6, 5, 2, 1]
     # the ranks' shares, window by window, are the global order less its partial last window (4 of 20 here)
     for world in (1, 2, 4):
-        shares = [window_share(idxs, 8, world, r) for r in range(world)]
+        shares = [window_share(idxs, 8, world, r, partial=False) for r in range(world)]
         per = 8//world
         got = [i for k in range(2) for s in shares for i in s[k*per:(k+1)*per]]
         assert got == idxs[:16]
+        # and the partial last window shared as evenly as can be, rank by rank in order
+        whole = [window_share(idxs, 8, world, r) for r in range(world)]
+        assert [i for s in whole for i in s[2*per:]] == idxs[16:] and max(map(len, whole)) - min(map(len, whole)) <= 1
 
 def _global(per_rank):
     "Each step's window over all ranks, rank by rank"
@@ -47,14 +51,20 @@ def test_the_same_windows_and_weights_on_any_number_of_processes(one, world):
         assert _global([r['windows'] for r in plain]) != one['windows']
         assert rel_err(plain[0]['params'], one['params']) > 1e-3
 
-def test_a_partial_last_window_is_dropped_alike_or_refused():
-    "100 samples in windows of 32 leave 4: dropped on every number of processes with partial='drop'; refused otherwise"
-    one = W.train(world=1, n=100, partial='drop')
-    rs = launch_gloo(W.train, world=2, kwargs=dict(n=100, partial='drop'), timeout=120)
-    assert _global([r['windows'] for r in rs]) == one['windows'] and one['steps'] == 6
+@pytest.mark.parametrize('partial,steps', [('step', 8), ('drop', 6)])
+def test_a_partial_last_window_is_stepped_or_dropped_alike(partial, steps):
+    """100 samples in windows of 32 leave 4 an epoch: shared by the ranks (2 each, one micro-batch) and stepped as one
+    process steps it, or dropped by every number of processes"""
+    one = W.train(world=1, n=100, partial=partial)
+    rs = launch_gloo(W.train, world=2, kwargs=dict(n=100, partial=partial), timeout=120)
+    assert _global([r['windows'] for r in rs]) == one['windows'] and one['steps'] == steps
     assert rel_err(rs[0]['params'], one['params']) <= TOL
-    with pytest.raises(RuntimeError, match=r"last window of 4.*partial='drop'"):
-        launch_gloo(W.train, world=2, kwargs=dict(n=100), timeout=120)
+
+@pytest.mark.parametrize('n', [97, 105])
+def test_a_partial_last_window_the_ranks_cannot_share_is_refused(n):
+    "1 sample left (a rank would have none), or 9 in micro-batches of 4 (5 and 4: two micro-batches on one rank, one on the other)"
+    with pytest.raises(RuntimeError, match=rf"{n} samples leave a last window of {n % 32}.*partial='drop'"):
+        launch_gloo(W.train, world=2, kwargs=dict(n=n), timeout=120)
 
 def test_a_window_the_ranks_cannot_share_is_refused_naming_the_numbers():
     with pytest.raises(RuntimeError, match=r"target_bs=24.*3 micro-batches a rank|target_bs=24.*divides"):
@@ -63,3 +73,37 @@ def test_a_window_the_ranks_cannot_share_is_refused_naming_the_numbers():
 def test_global_window_needs_a_number_of_samples():
     for kw in (dict(n_step=2), dict(target_bs={0: 8}), dict(n_acc=32), dict(target_bs=32, micro_bs=2)):
         with pytest.raises(ValueError, match='global_window=True'): GradientAccumulation(global_window=True, **kw)
+
+# -- resumed on another number of processes ----------------------------------------------------------------------------
+def _run(world, **kw):
+    return W.train(**kw) if world == 1 else launch_gloo(W.train, world=world, kwargs=kw, timeout=180)
+
+def _per_rank(world, res): return [res] if world == 1 else res
+
+@pytest.mark.parametrize('old,new', [(2, 1), (2, 4), (4, 2)])
+def test_resumed_on_another_number_of_processes_is_the_same_run(tmp_path, one, old, new):
+    """Cut mid-window in the second epoch of `fit_one_cycle` on `old` processes (the checkpoint every window: the one
+    before the cut is at a window's end), resumed on `new`: the windows before the cut and after the resume are the
+    uninterrupted run's, sample for sample, and the weights equal the uninterrupted 1-process run's to 1e-6"""
+    k = 32//(old*4)   # micro-batches a window on `old` processes; 3 windows an epoch
+    ck = (str(tmp_path/'ck'), dict(every=1))
+    cut = _per_rank(old, _run(old, ckpt=ck, cut=4*k + 1))   # the first micro-batch of the epoch's second window
+    assert all(r['cut'] for r in cut)
+    before = _global([r['windows'] for r in cut])
+    assert before == one['windows'][:4]
+    res = _per_rank(new, _run(new, ckpt=ck))
+    assert all(r['resumed'].endswith('.rank0.pt') for r in res)
+    after = _global([r['windows'] for r in res])
+    assert before + after == one['windows']
+    for r in res: assert rel_err(r['params'], one['params']) <= TOL
+
+def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_path):
+    "Saved after every micro-batch (`batches=1`), cut mid-window on 2 processes: on 1 the half window is refused, naming both numbers; on 2 it resumes"
+    ck = (str(tmp_path/'ck'), dict(batches=1))
+    _run(2, ckpt=ck, cut=6)   # the second micro-batch of the second window
+    from accum_callback.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match=r"saved on 2 process\(es\) and this run has 1, and it holds half a window"):
+        W.train(ckpt=ck)
+    res = _run(2, ckpt=ck)
+    one = W.train()
+    assert rel_err(res[0]['params'], one['params']) <= TOL and res[1]['resumed'].endswith('.rank1.pt')

@@ -1,0 +1,54 @@
+"""Resuming a `global_window` run on another number of processes (issue 54). Such a run's windows hold the same
+samples on any number of processes (`global_order`), and at a window's end a DDP replica holds all a rank needs: the
+weights and the optimizer's state are every rank's, the window is empty, and the epoch's place is a count of windows.
+So every rank reads rank 0's checkpoint file and counts that place again in its own loader batches. On as many
+processes as it was saved on, each rank reads its own file, as any run does (its RNG states: bitwise)"""
+from __future__ import annotations
+
+from .checkpoint_format import CheckpointError, read_checkpoint
+from .distributed import is_fsdp, process_count, process_rank
+from .fit_state import callback_states
+from .global_order import global_samples
+
+__all__ = ['is_elastic', 'loader_signature', 'source_rank', 'elastic_state']
+
+def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.plan.global_window
+
+def loader_signature(learn, ga)->dict:
+    """What a checkpoint's signature says of the processes and the training loader: with `global_window` the whole
+    data and the window over all ranks (the same on any number of processes), else this rank's batches and the world"""
+    dl = learn.dls.train
+    if not is_elastic(ga): return {'world size': process_count(), 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}"}
+    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.plan.target_bs()} samples over all ranks",
+            'FSDP2': is_fsdp(learn.model)}
+
+def source_rank(ga)->int:
+    "Whose checkpoint files this rank looks for: rank 0's in a `global_window` run (it may have run on fewer ranks), else its own"
+    return 0 if is_elastic(ga) else process_rank()
+
+def _rank_batches(n:int, window:int, world:int, bs:int)->int: return n//window*(window//(world*bs))
+
+def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
+    """Rank 0's checkpoint `st` (number `serial` of `ckpt`, a `Checkpoint`; `ga` its `GradientAccumulation`) as this rank resumes it: saved on as many
+    processes as run now, this rank's own file; on another number, rank 0's, its place in the epoch counted in this
+    world's batches (the batch read ahead left out: it is another rank's now). Refused mid-window and under FSDP2.
+    Returns the state and the file it came from"""
+    learn = ckpt.learn
+    old,new = st.get('world', 1),process_count()
+    own = ckpt.file(serial, process_rank())
+    if old == new: return (st if process_rank() == 0 else read_checkpoint(own)),own
+    ga_key = next(k for k,cb,_,_ in callback_states(learn, ckpt) if cb is ga)
+    where = f"Checkpoint: {ckpt.file(serial, 0)} was saved on {old} process(es) and this run has {new}"
+    if is_fsdp(learn.model) or st['signature'].get('FSDP2'):
+        raise CheckpointError(f"{where}; FSDP2's shards are resumed on as many processes only (elastic FSDP2 is not "
+                              f"built yet): launch {old} processes, or start afresh with Checkpoint(..., resume=False)")
+    if st['where'] != 'mid': return st,ckpt.file(serial, 0)
+    if st['callbacks'][ga_key]['window']['n_micro']:
+        raise CheckpointError(f"{where}, and it holds half a window ({st['callbacks'][ga_key]['window']['n_micro']} "
+                              f"micro-batch(es) a rank), which cannot be cut again for {new}: launch {old} processes, or "
+                              "resume from a checkpoint at a window's end (`every=`, epoch ends and signals save there)")
+    window,bs = ga.plan.target_bs(),learn.dls.train.bs
+    j = st['k']//(window//(old*bs))   # windows done in the epoch
+    k = j*(window//(new*bs))
+    n = global_samples(learn.dls.train)
+    return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*_rank_batches(n, window, new, bs) + k),ckpt.file(serial, 0)
