@@ -27,7 +27,7 @@ from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .compat import local_tensor, rng_states, set_rng_states
 from .fastai_compat import train_metrics
-from .distributed import reduce_floats, is_distributed, is_fsdp, process_count, process_rank, unwrap
+from .distributed import reduce_floats, is_distributed, process_count, process_rank, unwrap
 from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching
 from .micro.loader import ReadAhead, can_skip
@@ -35,7 +35,7 @@ from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
                         restore_recorder, set_loader_orders, set_loader_rngs)
-from .elastic import elastic_state, is_elastic, loader_signature, source_rank
+from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .validate import whole_number
 _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
@@ -167,8 +167,8 @@ class Checkpoint(Callback):
         last = getattr(learn.dl, 'last', None) if piece is None else piece.last_batch
         if last or not (self._due() or self._deferred): return
         ga = self._ga()
-        # FSDP2 holds a window's gradients unsharded inside its modules until the window's reduce-scatter: saved when it closes
-        if not can_skip(self._inner(learn.dl)) or (is_fsdp(learn.model) and ga is not None and ga.window.is_open):
+        # FSDP2 and a `global_window` run save at the window's end (`elastic.save_waits`)
+        if not can_skip(self._inner(learn.dl)) or save_waits(ga, learn.model, self.batches is not None and self._k % self.batches == 0):
             self._deferred = True; return   # (a loader of ready-made batches: epoch ends only)
         self._deferred = False
         self._save('mid')

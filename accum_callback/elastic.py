@@ -10,7 +10,7 @@ from .distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
 from .global_order import global_samples
 
-__all__ = ['is_elastic', 'loader_signature', 'source_rank', 'elastic_state']
+__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state']
 
 def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.plan.global_window
 
@@ -21,6 +21,13 @@ def loader_signature(learn, ga)->dict:
     if not is_elastic(ga): return {'world size': process_count(), 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}"}
     return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.plan.target_bs()} samples over all ranks",
             'FSDP2': is_fsdp(learn.model)}
+
+def save_waits(ga, model, batches_due:bool)->bool:
+    """Does a checkpoint due now wait for the window's end? Under FSDP2, which holds a window's gradients unsharded
+    inside its modules until the window's reduce-scatter; in a `global_window` run, whose window's end is where another
+    number of processes can take it on (signals, `minutes`; `batches=` saves mid-window as asked)"""
+    if ga is None or not ga.window.is_open: return False
+    return is_fsdp(model) or (is_elastic(ga) and not batches_due)
 
 def source_rank(ga)->int:
     "Whose checkpoint files this rank looks for: rank 0's in a `global_window` run (it may have run on fewer ranks), else its own"

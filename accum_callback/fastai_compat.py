@@ -5,12 +5,12 @@ each found by what this fastai has, with a clear refusal naming the fastai versi
 - `Learner._with_events(f, event_type, ex, final)`: fastai runs each event pair through it and looks it up for every
   epoch after `before_fit`; the fit's clean-up guard (`guard.FitGuard`) wraps it on the instance for one fit.
 - `Recorder._train_mets`: the running training metrics (smooth loss, ...) a checkpoint saves mid-epoch.
-- `DataLoader.fake_l`: the torch loader behind a fastai loader, whose `generator` seeds its iterator (a resumed pass
-  draws that seed from a generator of its own)."""
+- `DataLoader.fake_l` (a `fastai.data.load._FakeLoader`): the torch loader behind a fastai loader, whose `generator` seeds its iterator (a resumed pass
+  draws that seed from a generator of its own), and which a copied loader needs its own of (`copy_loader`)."""
 from __future__ import annotations
 from fastai.learner import Learner
 
-__all__ = ['epoch_events', 'set_epoch_events', 'clear_epoch_events', 'train_metrics', 'torch_loader']
+__all__ = ['epoch_events', 'set_epoch_events', 'clear_epoch_events', 'train_metrics', 'torch_loader', 'copy_loader']
 
 _EVENTS = '_with_events'
 if not callable(getattr(Learner, _EVENTS, None)):
@@ -37,3 +37,15 @@ def train_metrics(recorder)->list:
 def torch_loader(dl):
     "The torch `DataLoader` behind a fastai loader (`fake_l`), or None"
     return getattr(dl, 'fake_l', None)
+
+def copy_loader(dl):
+    """A shallow copy of a fastai loader that iterates on its own: a copy shares the original's torch loader (`fake_l`),
+    which draws the order from the original (`DistributedDL`, which `new` cannot make, is copied)"""
+    import copy
+    from fastai.data.load import _FakeLoader
+    new = copy.copy(dl)
+    if isinstance(fl := torch_loader(dl), _FakeLoader):   # (as fastai's loaders make theirs)
+        kw = dict(persistent_workers=fl.persistent_workers)
+        if hasattr(fl, 'pin_memory_device'): kw['pin_memory_device'] = fl.pin_memory_device   # (not in every fastai this package supports)
+        new.fake_l = _FakeLoader(new, fl.pin_memory, fl.num_workers, fl.timeout, **kw)
+    return new

@@ -105,7 +105,7 @@ def check_args(args)->argparse.Namespace:
     if args.micro_bs == 'auto' and args.loader_bs is None:   # one loader batch of --effective-bs per step, cut into what fits
         if args.n_step is not None: raise UsageError("argument --n-step: counts loader batches of --loader-bs; with "
                                                      "--micro-bs auto alone give --effective-bs")
-        args.effective_bs,args.n_step = 32 if args.effective_bs is None else args.effective_bs,1
+        args.effective_bs,args.n_step,args.global_window = 32 if args.effective_bs is None else args.effective_bs,1,False
         if args.effective_bs % world:
             raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of the {world} processes")
         args.loader_bs = args.effective_bs//world
@@ -113,6 +113,8 @@ def check_args(args)->argparse.Namespace:
         if args.loader_bs is None: args.loader_bs = 4
         if isinstance(args.micro_bs, int) and args.micro_bs > args.loader_bs:
             raise UsageError(f"argument --micro-bs: {args.micro_bs} is larger than --loader-bs {args.loader_bs} (it cuts the loader's batches)")
+        # --effective-bs (or its default) with whole loader batches: the same windows on any number of processes
+        args.global_window = args.n_step is None and args.micro_bs is None
         if args.n_step is not None: args.effective_bs = args.loader_bs*args.n_step*world
         else:
             args.effective_bs = 32 if args.effective_bs is None else args.effective_bs
@@ -207,7 +209,8 @@ def _run(args)->int:
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
-                              lr=args.lr, seed=args.seed, micro_bs=args.micro_bs, bn_precise=args.bn_precise)
+                              lr=args.lr, seed=args.seed, micro_bs=args.micro_bs, bn_precise=args.bn_precise,
+                              effective_bs=args.effective_bs if getattr(args, "global_window", False) else None)
         if args.check or args.check_only:
             print(learn.check_accumulation(), flush=True)
             if args.check_only: return 0

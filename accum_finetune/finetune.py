@@ -105,14 +105,16 @@ class Throughput(Callback):
 
 def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
                   precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=(),
-                  bn_precise:int|str|None='auto', precise_at:str='end')->Learner:
+                  bn_precise:int|str|None='auto', precise_at:str='end', effective_bs:int|None=None)->Learner:
     """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step=n_step, micro_bs=micro_bs)`,
     the BatchNorm callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed`
     (the loaders' shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`, or `micro_bs`
     items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found).
     `bn_precise`: training items the running statistics are recomputed from (`BatchNormAccumulation(precise=N)`) at
     the last epoch's end (`precise_at='end'`, before the final validation) or every epoch's ('epoch'); 'auto':
-    `auto_precise` of the mode `bn='auto'` chose, none for a mode given; None or 0: none."""
+    `auto_precise` of the mode `bn='auto'` chose, none for a mode given; None or 0: none. `effective_bs` (loader batches
+    uncut): each window that many samples over all processes, the same on any number of them (`global_window`: a run
+    stopped on 2 processes resumes on 1 as the same run), `n_step` the loader batches a process takes for it."""
     if bn not in JOB_BN_MODES: raise ValueError(f"`bn` must be one of {JOB_BN_MODES}, got {bn!r}")
     set_seed(seed, reproducible=True)
     # fastai loaders draw their shuffling seed from Python's `random` when they are built, before this call: reseed
@@ -128,11 +130,15 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
         raise ValueError(f"`bn_precise`: recomputed statistics need BatchNormAccumulation, and bn={mode!r} "
                          + ("has none" if mode == 'none' else "keeps the statistics frozen") + ": give another `bn`, or no `bn_precise`")
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
-                    cbs=[GradientAccumulation(n_step=n_step, micro_bs=micro_bs)] + ([BatchNormAccumulation(mode, precise=precise, precise_at=precise_at)] if mode != 'none' else [])
+                    cbs=[_accumulation(n_step, micro_bs, effective_bs)] + ([BatchNormAccumulation(mode, precise=precise, precise_at=precise_at)] if mode != 'none' else [])
                         + precision_callbacks(precision) + [Throughput()] + list(cbs))
     learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode, bn_precise=precise,
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
     return learn
+
+def _accumulation(n_step:int, micro_bs, effective_bs:int|None)->GradientAccumulation:
+    if effective_bs is not None and micro_bs is None: return GradientAccumulation(target_bs=effective_bs, global_window=True)
+    return GradientAccumulation(n_step=n_step, micro_bs=micro_bs)
 
 def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True, cbs=None)->dict:
     "Fine-tune a `build_learner` Learner with one cycle for `epochs` (`cbs`: for this fit, e.g. a `Checkpoint`); return its metrics"

@@ -9,6 +9,7 @@ from fastai.callback.core import Callback, CancelValidException
 from accum_callback import GradientAccumulation
 from accum_callback.testing import regression_data
 from helpers import MLP, make_learner
+from resume_worker import CutAt, _Cut   # (the job dies at a micro-batch's end, after any checkpoint there)
 
 LR = 0.05
 
@@ -28,17 +29,6 @@ def data(n, seed=0):
     "`n` samples whose first input column is the sample's id (the model sees it, scaled down: a real input)"
     x,y = regression_data(n, seed=seed, dtype=torch.float64).tensors
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
-
-class _Cut(Exception): pass
-
-class CutAt(Callback):
-    "Raise `_Cut` at the end of this rank's `at`-th training micro-batch, after any checkpoint there (the job dies)"
-    order = 99
-    def __init__(self, at): self.at,self.k = at,0
-    def after_batch(self):
-        if self.training:
-            self.k += 1
-            if self.k == self.at: raise _Cut('cut')
 
 def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None):
     """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this

@@ -1,4 +1,5 @@
-"GradientAccumulation against the one-large-batch run on the same samples"
+"""GradientAccumulation against the one-large-batch run on the same samples (modules `accumulate` and `window_log`: its
+logs, `window_sizes`, `n_skipped`, ...)"""
 import warnings
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from hypothesis import given, settings, strategies as st, HealthCheck

@@ -1,4 +1,5 @@
-"BatchNormAccumulation, the momentum rule and the BatchNorm conversions, each checked against the large-batch run"
+"""BatchNormAccumulation, the momentum rule and the BatchNorm conversions, each checked against the large-batch run
+(modules `batchnorm`, `bn_stats`: the pooled statistics and their hooks, `norm_layers`, `modes`)"""
 import copy, warnings
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset

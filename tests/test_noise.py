@@ -1,4 +1,4 @@
-"""The gradient noise scale (issue 28) against an oracle: at fixed weights every per-sample gradient of the data set is
+"""(Modules `noise` and `noise_measure`: `learn.noise_scale()`.) The gradient noise scale (issue 28) against an oracle: at fixed weights every per-sample gradient of the data set is
 computed (`torch.func.vmap(grad)`), hence the true |G|^2, tr(S) and B_simple = tr(S)/|G|^2, and the estimates that
 `GradientNoiseScale` makes from accumulation (a window's first micro-batch and the whole window) must converge to them.
 

@@ -167,3 +167,46 @@ def test_private_fastai_names_are_reached_only_through_fastai_compat():
             name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
             if name in FASTAI_PRIVATE: found.append(f'{path.relative_to(PKG)}:{node.lineno} {name}')
     assert not found, found
+
+# -- the structure (issue 53) ---------------------------------------------------------------------------------------------
+PKG = Path(__file__).resolve().parents[1]/'accum_callback'
+
+def _code_lines(src:str, node)->int:
+    "Lines of `node` that hold code: no blank line, comment or docstring line (a line with a docstring and code counts)"
+    import ast
+    tree,lines,doc = ast.parse(src),src.splitlines(),set()
+    for n in ast.walk(tree):
+        body = getattr(n, 'body', None)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and isinstance(body[0], ast.Expr) \
+           and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            d = body[0]
+            doc.update(i for i in range(d.lineno, d.end_lineno+1) if i > d.lineno or lines[i-1].lstrip()[:1] in '"\'')
+    return sum(1 for i in range(node.lineno, node.end_lineno+1)
+               if lines[i-1].strip() and not lines[i-1].strip().startswith('#') and i not in doc)
+
+def test_no_module_over_400_lines_and_gradient_accumulation_an_adapter():
+    """Every module of the package at most 400 lines; `GradientAccumulation` at most 150 code lines (it holds the events;
+    the window, its plan, the ranks' sync and its log are modules of their own)"""
+    import ast
+    long = {p.relative_to(PKG).as_posix(): n for p in PKG.rglob('*.py') if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+    src = (PKG/'accumulate.py').read_text()
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == 'GradientAccumulation')
+    assert _code_lines(src, cls) <= 150, _code_lines(src, cls)
+
+# where a module's tests are when they are not in tests/test_<module>.py (each file named must name the module)
+TESTED_IN = dict(bn_check='test_precise.py', bn_stats='test_batchnorm.py', checkpoint='test_resume.py',
+                 checkpoint_format='test_resume.py', fit_state='test_resume.py', compat='test_package.py',
+                 elastic='test_global_order.py', files='test_resume.py', fsdp='test_distributed.py', modes='test_batchnorm.py',
+                 noise_measure='test_noise.py', norm_layers='test_batchnorm.py', testing='test_distributed.py',
+                 window_log='test_accumulate.py')
+
+def test_every_module_has_its_tests_where_this_map_says():
+    "tests/test_<module>.py, or the file `TESTED_IN` names, which names the module (a module without tests fails here)"
+    here = Path(__file__).parent
+    for p in sorted(PKG.glob('*.py')):
+        m = p.stem
+        if m in ('__init__', '__main__'): continue
+        f = here/f'test_{m}.py' if (here/f'test_{m}.py').exists() else here/TESTED_IN.get(m, f'test_{m}.py')
+        assert f.exists(), f"accum_callback/{m}.py has no tests/test_{m}.py and no entry in TESTED_IN"
+        assert f == here/f'test_{m}.py' or m in f.read_text(), f"{f.name} does not name {m}"

@@ -1,4 +1,4 @@
-"""BatchNorm statistics of the current weights (issue 32): `update_bn_stats` and `BatchNormAccumulation(precise=N)`
+"""(Modules `precise` and `bn_check`: `learn.check_batchnorm()`.) BatchNorm statistics of the current weights (issue 32): `update_bn_stats` and `BatchNormAccumulation(precise=N)`
 against the exact statistics of the same items in one pass. The oracle runs the same micro-batches through a float64
 copy of the model (BatchNorm normalising each micro-batch with its own statistics, as the recomputation does),
 catches every BatchNorm layer's inputs, and takes their mean and unbiased variance over all of them at once."""

@@ -1,7 +1,7 @@
 """The training loader, cut: each loader batch into near-equal micro-batches (`piece_bounds`'s rule), read by fastai's loop
 in place of `learn.dl`; and `Piece`, what `GradientAccumulation` reads of the piece being run."""
 from __future__ import annotations
-import copy, math, random
+import math, random
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +9,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
 from ..distributed import is_distributed
-from ..fastai_compat import torch_loader
+from ..fastai_compat import copy_loader, torch_loader
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
 __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',
@@ -112,7 +112,7 @@ def own_loader(learn, shuffle:bool=False, seed:int=0, drop_last:bool|None=None):
     if not hasattr(dl, 'new'): return dl
     drop = (shuffle if drop_last is None else drop_last) and bool(getattr(dl, 'bs', None))   # (fastai refuses it at bs=None)
     try: dl = dl.new(shuffle=shuffle, drop_last=drop)
-    except Exception: dl = copy.copy(dl)
+    except Exception: dl = copy_loader(dl)
     if hasattr(dl, 'rng'): dl.rng = random.Random(seed)   # fastai's loaders draw their order (and a new `rng`) from it
     return dl
 
