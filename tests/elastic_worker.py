@@ -30,9 +30,11 @@ def data(n, seed=0):
     x,y = regression_data(n, seed=seed, dtype=torch.float64).tensors
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
 
-def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None):
+def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None,
+          fsdp=False):
     """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this
-    rank's micro-batch at whose end the run dies (returned: the windows until then)"""
+    rank's micro-batch at whose end the run dies (returned: the windows until then); `fsdp`: FSDP2 (`learn.fsdp_ctx()`)
+    instead of DDP on several processes"""
     from accum_callback import Checkpoint
     ds = data(n, seed)
     torch.manual_seed(seed); import random; random.seed(seed)
@@ -48,10 +50,11 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
             if world == 1: learn.fit_one_cycle(n_epoch, LR)
             else:
                 from accum_callback.distributed import gloo_distributed_dl
-                with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True): learn.fit_one_cycle(n_epoch, LR)
+                with gloo_distributed_dl(), (learn.fsdp_ctx() if fsdp else learn.distrib_ctx(sync_bn=False, cpu=True)):
+                    learn.fit_one_cycle(n_epoch, LR)
     except _Cut: return dict(windows=spy.windows, cut=True)
     ck = next((c for c in learn.cbs if isinstance(c, Checkpoint)), None)
-    return dict(params=torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()]), windows=spy.windows,
+    return dict(params=torch.cat([(p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().reshape(-1) for p in learn.model.parameters()]), windows=spy.windows,
                 steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None)
 
 class Scale(torch.nn.Module):

@@ -10,7 +10,7 @@ import torch
 from accum_callback import GradientAccumulation
 from accum_callback.global_order import window_share
 from accum_callback.testing import launch_gloo
-from helpers import rel_err
+from helpers import needs_fsdp2, rel_err
 import elastic_worker as W
 
 TOL = 1e-6
@@ -107,3 +107,17 @@ def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_p
     res = _run(2, ckpt=ck)
     one = W.train()
     assert rel_err(res[0]['params'], one['params']) <= TOL and res[1]['resumed'].endswith('.rank1.pt')
+
+@needs_fsdp2
+def test_fsdp2_runs_the_same_windows_and_its_checkpoint_resumes_on_as_many_processes_only(tmp_path, one):
+    """Under FSDP2 (`learn.fsdp_ctx()`) `global_window` gives the same windows and weights as one process; its
+    checkpoint (each rank its shard) is refused on another number of processes, naming both, and resumes on as many"""
+    sharded = launch_gloo(W.train, world=2, kwargs=dict(fsdp=True), timeout=180)
+    assert _global([r['windows'] for r in sharded]) == one['windows']
+    assert rel_err(sharded[0]['params'], one['params']) <= TOL
+    ck = (str(tmp_path/'ck'), dict(every=1))
+    launch_gloo(W.train, world=2, kwargs=dict(fsdp=True, ckpt=ck, cut=9), timeout=180)
+    from accum_callback.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match=r"saved on 2 process\(es\) and this run has 1; FSDP2's shards"): W.train(ckpt=ck)
+    again = launch_gloo(W.train, world=2, kwargs=dict(fsdp=True, ckpt=ck), timeout=180)
+    assert rel_err(again[0]['params'], one['params']) <= TOL and again[1]['resumed'].endswith('.rank1.pt')
