@@ -11,7 +11,7 @@ import torch
 from .files import atomic_write
 from .window import Phase, StepRecord
 
-__all__ = ['CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'reshard']
+__all__ = ['CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard']
 
 _MAGIC = b'ACKPT1\n'
 
@@ -83,15 +83,15 @@ def _fastai_tensor(name):
     c = getattr(sys.modules.get(mod), cls, None)   # (a module fastai has loaded: nothing is imported by name)
     return c if isinstance(c, type) and issubclass(c, TensorBase) else None
 
-def _from_plain(o):
-    "What `_plain_state` wrote, made again"
+def from_plain(o):
+    "What `plain_state` wrote, made again"
     import numpy as np
     from fastcore.foundation import L
     if isinstance(o, dict):
         tag = o.get(_TAG)
-        if tag is None: return type(o)((k, _from_plain(v)) for k,v in o.items())
+        if tag is None: return type(o)((k, from_plain(v)) for k,v in o.items())
         if tag == 'ndarray': return np.array(o['value'], dtype=np.dtype(o['dtype'])).reshape(o['shape'])
-        if tag == 'L': return L([_from_plain(v) for v in o['value']])
+        if tag == 'L': return L([from_plain(v) for v in o['value']])
         if tag == 'shard': return o['value'].as_subclass(_Shard)
         if tag == 'tensor':
             cls = _fastai_tensor(o.get('type'))
@@ -99,8 +99,8 @@ def _from_plain(o):
             return o['value'].as_subclass(cls)
         cls = _OWN_TYPES.get(o.get('type'))
         if cls is None: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
-        return cls(o['value']) if tag == 'enum' else cls(*[_from_plain(v) for v in o['value']])
-    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(_from_plain(v) for v in o)
+        return cls(o['value']) if tag == 'enum' else cls(*[from_plain(v) for v in o['value']])
+    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v) for v in o)
     return o
 
 def write_checkpoint(path:Path, obj)->int:
@@ -127,5 +127,5 @@ def read_checkpoint(path)->dict:
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
                                f"containers, which loading would run as code ({_unsupported(e)})") from None
-    return _from_plain(st)
+    return from_plain(st)
 

@@ -7,7 +7,7 @@ shard: set on that Learner by `to_fsdp` (or `learn.fsdp_checkpoints()` for a mod
 `accumulate.py` and `distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
 optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the checkpoints."""
 from __future__ import annotations
-import contextlib, copy, functools, gc, os, types, warnings
+import contextlib, copy, functools, gc, os, pickle, types, warnings
 
 import torch, torch.nn as nn
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from fastai.learner import Learner
 from fastcore.basics import patch
 
 from .batchnorm import BatchNormAccumulation
+from .checkpoint_format import from_plain, plain_state
 from .compat import tree_map
 from .distributed import gloo_distributed_dl, is_fsdp, unwrap
 from .micro import copy_module
@@ -182,7 +183,7 @@ def _save(self, file, with_opt=True, pickle_protocol=2, **kwargs):
     state = fsdp_full_state_dict(self.model)   # every rank takes part in the gathers
     if with_opt and getattr(self, 'opt', None) is not None:
         state = {'model': state, 'opt': tree_map(_full, self.opt.state_dict())}
-    if dist.get_rank() == 0: torch.save(state, file, pickle_protocol=pickle_protocol, **kwargs)
+    if dist.get_rank() == 0: torch.save(plain_state(state, 'the FSDP2 state'), file, pickle_protocol=pickle_protocol, **kwargs)   # (read back without running code)
     dist.barrier()
     return file
 
@@ -195,7 +196,11 @@ def _load(self, file, device=None, with_opt=True, strict=True, **kwargs):
     if self.opt is None: self.create_opt()
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     dist.barrier()
-    state = torch.load(file, map_location='cpu', weights_only=False)   # every rank reads the whole file (a shared disk)
+    try: state = from_plain(torch.load(file, map_location='cpu', weights_only=True))   # every rank reads the whole file (a shared disk); runs no code
+    except pickle.UnpicklingError:
+        raise ValueError(f"learn.load: {file} holds objects that a file read without running code cannot hold (saved by "
+                         "accum_callback before 0.3.0, or not by `learn.save`); if you trust it, read it with "
+                         "`torch.load(file, weights_only=False)` on one process and save it again with `learn.save`") from None
     has_opt = set(state) == {'model', 'opt'}
     set_model_state_dict(self.model, state['model'] if has_opt else state, options=StateDictOptions(full_state_dict=True, strict=strict))
     if has_opt and with_opt:

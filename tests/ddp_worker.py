@@ -263,11 +263,23 @@ def fsdp_save_load(rank, world_size, d, seed=0):
     saved = torch.load(f, map_location='cpu', weights_only=False)
     b = mk(seed+1)   # other weights, and an optimizer to fill
     b.load('m')
+    # a planted file in fastai's place (`models/evil.pth`) whose unpickling would write a marker: refused, nothing run
+    marker = Path(d)/'ran'
+    if rank == 0: torch.save({'model': _Payload(str(marker))}, Path(d)/'models'/'evil.pth')
+    dist.barrier()
+    try: b.load('evil'); planted = 'loaded'
+    except ValueError as e: planted = 'refused' if 'without running code' in str(e) else str(e)
+    planted = (planted, marker.exists())
     st_a = [(k, full_params_of(v)) for k,v in sorted(_adam_state(a).items())]
     st_b = [(k, full_params_of(v)) for k,v in sorted(_adam_state(b).items())]
-    return dict(a=full_params(a.model), b=full_params(b.model), file_shapes=[tuple(v.shape) for v in saved['model'].values()],
+    return dict(a=full_params(a.model), b=full_params(b.model), file_shapes=[tuple(v.shape) for v in saved['model'].values()], planted=planted,
                 full_shapes=[tuple(p.shape) for p in MLP(n_in=5, n_out=3).state_dict().values()],
                 opt_equal=all(torch.equal(x, y) for (_,x),(_,y) in zip(st_a, st_b)) and len(st_a) > 0)
+
+class _Payload:
+    "Unpickled, it writes a file: what a planted checkpoint would do with `torch.load(weights_only=False)`"
+    def __init__(self, marker): self.marker = marker
+    def __reduce__(self): return (Path.write_text, (Path(self.marker), 'the file ran code'))
 
 def full_params_of(v): return v.full_tensor() if hasattr(v, 'full_tensor') else v
 

@@ -326,9 +326,10 @@ def test_fsdp_refusals_say_what_to_do(runs, name, match):
 @needs_fsdp2
 def test_fsdp_save_load_whole_model(tmp_path):
     """`learn.save` writes the whole model (gathered, rank 0 writes) and the optimizer state; `learn.load` into another
-    sharded Learner gives every rank its own shard of it (before: rank 0's shard on every rank, weights 0.74 off)"""
+    sharded Learner gives every rank its own shard of it (before: rank 0's shard on every rank, weights 0.74 off). The
+    file is read without running code: a planted one is refused on every rank, and what it holds never runs"""
     r0,r1 = launch_gloo(W.fsdp_save_load, kwargs=dict(d=str(tmp_path)))
-    for r in (r0, r1): assert torch.equal(r['a'], r['b']) and r['opt_equal']
+    for r in (r0, r1): assert torch.equal(r['a'], r['b']) and r['opt_equal'] and r['planted'] == ('refused', False), r['planted']
     assert r0['file_shapes'] == r0['full_shapes']
 
 @needs_fsdp2
