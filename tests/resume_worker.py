@@ -165,7 +165,7 @@ def ranks_resume(rank:int, world:int, d:str, kind:str='ddp', at:int=5):
         else: fsdp_shard(model, world); learn.create_opt(); learn.fsdp_checkpoints()
         return learn
     def fit(learn):
-        with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        with learn.no_logging(), warnings.catch_warnings():   # (fastai's progress bar on, as users run it)
             warnings.simplefilter('ignore'); learn.fit(2)
     def state(learn):
         m = learn.model.module if kind == 'ddp' else learn.model
