@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ['global_samples', 'window_share', 'window_shard_dl', 'shard_by_window', 'check_window_share']
+__all__ = ['check_fastai_sharding', 'global_samples', 'window_share', 'window_shard_dl', 'shard_by_window', 'check_window_share']
 
 def global_samples(dl)->int:
     "Samples in an epoch of the whole training loader (`dl`, or the loader fastai's `DistributedDL` wraps)"
@@ -58,12 +58,21 @@ def shard_by_window(dl, window:int, partial:str):
     of `window` samples; refused, naming the numbers, where a window does not cut into the ranks' micro-batches"""
     from fastai.distributed import DistributedDL
     if isinstance(dl, window_shard_dl()): return dl
-    if not isinstance(dl, DistributedDL):
-        raise ValueError("GradientAccumulation(global_window=True) under DDP reads the training loader through fastai's "
-                         f"`DistributedDL` (`learn.distrib_ctx()`, `learn.to_distributed()`), and this fit's is a "
-                         f"{type(dl).__name__}: launch through fastai's distributed path, or leave global_window out")
+    if not isinstance(dl, DistributedDL): raise ValueError(_NOT_FASTAI.format(type(dl).__name__))
     check_window_share(window, dl.world_size, dl.bs, dl.dl.n, partial)
     return window_shard_dl()(dl.dl, window, dl.rank, dl.world_size, partial != 'drop')
+
+_NOT_FASTAI = ("GradientAccumulation(global_window=True) on several processes reads the training loader through fastai's "
+               "`DistributedDL` (`learn.distrib_ctx()`, `learn.to_distributed()`, `learn.fsdp_ctx()`), and this fit's is a "
+               "{}: launch through fastai's distributed path, or leave global_window out")
+
+def check_fastai_sharding(learn):
+    """At fit start: several processes with `global_window` need fastai's sharding of the training loader (its
+    `DistributedDL`, or the `DistributedTrainer` that makes one at fit start), which `WindowShardDL` cuts again"""
+    import sys
+    dd,dl = sys.modules.get('fastai.distributed'),learn.dls.train
+    if dd is None or not (isinstance(dl, dd.DistributedDL) or any(isinstance(c, dd.DistributedTrainer) for c in learn.cbs)):
+        raise ValueError(_NOT_FASTAI.format(type(dl).__name__))
 
 def check_window_share(window:int, world:int, bs:int, n:int, partial:str):
     "Can `world` ranks share each window of `window` samples in micro-batches of `bs`, of `n` samples? (refused, naming the numbers)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .distributed import is_distributed, process_count
-from .global_order import check_window_share, global_samples, shard_by_window
+from .global_order import check_fastai_sharding, check_window_share, global_samples, shard_by_window
 from .micro.loader import batch_sizes
 from .schedule import WindowClock, WindowSchedule, decide, window_arguments
 from .validate import flag
@@ -46,7 +46,9 @@ class WindowPlan:
     def check_ranks(self, learn):
         "At fit start, before anything is set up: with `global_window` over several processes, can they share each window?"
         dl = learn.dls.train
-        if self.global_window and process_count() > 1: check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial)
+        if not (self.global_window and process_count() > 1): return
+        check_fastai_sharding(learn)
+        check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial)
 
     def loader(self, dl, model):
         "The training loader to read: with `global_window` under DDP, fastai's rank shares cut again window by window"

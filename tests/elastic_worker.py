@@ -31,10 +31,10 @@ def data(n, seed=0):
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
 
 def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None,
-          fsdp=False):
+          fsdp=False, by_hand=False):
     """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this
     rank's micro-batch at whose end the run dies (returned: the windows until then); `fsdp`: FSDP2 (`learn.fsdp_ctx()`)
-    instead of DDP on several processes"""
+    instead of DDP on several processes; `by_hand`: the model wrapped in DDP by hand, the loader fastai's plain one"""
     from accum_callback import Checkpoint
     ds = data(n, seed)
     torch.manual_seed(seed); import random; random.seed(seed)
@@ -48,6 +48,9 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
         with warnings.catch_warnings(), learn.no_logging():
             warnings.simplefilter('ignore')
             if world == 1: learn.fit_one_cycle(n_epoch, LR)
+            elif by_hand:
+                from torch.nn.parallel import DistributedDataParallel as DDP
+                learn.model = DDP(learn.model); learn.fit_one_cycle(n_epoch, LR)
             else:
                 from accum_callback.distributed import gloo_distributed_dl
                 with gloo_distributed_dl(), (learn.fsdp_ctx() if fsdp else learn.distrib_ctx(sync_bn=False, cpu=True)):

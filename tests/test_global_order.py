@@ -70,6 +70,11 @@ def test_a_window_the_ranks_cannot_share_is_refused_naming_the_numbers():
     with pytest.raises(RuntimeError, match=r"target_bs=24.*3 micro-batches a rank|target_bs=24.*divides"):
         launch_gloo(W.train, world=4, kwargs=dict(window=24), timeout=120)
 
+def test_a_loader_fastai_did_not_shard_is_refused_at_fit_start():
+    "DDP by hand over fastai's plain loader: each rank would read the whole data; refused before anything is set up, naming the way in"
+    with pytest.raises(RuntimeError, match=r"global_window=True\) on several processes reads the training loader through fastai's `DistributedDL`"):
+        launch_gloo(W.train, world=2, kwargs=dict(by_hand=True), timeout=120)
+
 def test_global_window_needs_a_number_of_samples():
     for kw in (dict(n_step=2), dict(target_bs={0: 8}), dict(n_acc=32), dict(target_bs=32, micro_bs=2)):
         with pytest.raises(ValueError, match='global_window=True'): GradientAccumulation(global_window=True, **kw)
