@@ -51,7 +51,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         global_window:bool=False, # `target_bs` counts the samples of all ranks: each window the same samples on any number of processes
     ):
         if micro_bs is not None: check_micro_bs(micro_bs)
-        self.count = count   # fastai's recipes write `GradientAccumulation(64)` for 64 samples: said at fit start
+        # fastai's recipes write `GradientAccumulation(64)` for 64 samples (said at fit start); `n_acc`: fastai's attribute too
+        self.count,self.n_acc = count,n_acc
         self.plan = WindowPlan(n_step, target_bs, n_acc, partial, cut=micro_bs is not None, count=count, global_window=global_window)
         self.n_items,self.skip_nonfinite = check_n_items(n_items),flag(skip_nonfinite, 'skip_nonfinite')
         self.sync = SyncPolicy(sharded_grads, gathered_params)
