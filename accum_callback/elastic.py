@@ -8,7 +8,7 @@ from __future__ import annotations
 from .checkpoint_format import CheckpointError, read_checkpoint
 from .distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
-from .global_order import global_samples
+from .global_order import global_samples, rank_batches
 
 __all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state']
 
@@ -33,8 +33,6 @@ def source_rank(ga)->int:
     "Whose checkpoint files this rank looks for: rank 0's in a `global_window` run (it may have run on fewer ranks), else its own"
     return 0 if is_elastic(ga) else process_rank()
 
-def _rank_batches(n:int, window:int, world:int, bs:int)->int: return n//window*(window//(world*bs))
-
 def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
     """Rank 0's checkpoint `st` (number `serial` of `ckpt`, a `Checkpoint`; `ga` its `GradientAccumulation`) as this rank resumes it: saved on as many
     processes as run now, this rank's own file; on another number, rank 0's, its place in the epoch counted in this
@@ -58,4 +56,5 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
     j = st['k']//(window//(old*bs))   # windows done in the epoch
     k = j*(window//(new*bs))
     n = global_samples(learn.dls.train)
-    return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*_rank_batches(n, window, new, bs) + k),ckpt.file(serial, 0)
+    per_epoch = rank_batches(n, window, new, process_rank(), bs, ga.plan.partial != 'drop')   # (a shared partial window included)
+    return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)

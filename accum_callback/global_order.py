@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ['check_fastai_sharding', 'global_samples', 'window_share', 'window_shard_dl', 'shard_by_window', 'check_window_share']
+__all__ = ['check_fastai_sharding', 'global_samples', 'window_share', 'rank_batches', 'window_shard_dl', 'shard_by_window', 'check_window_share']
 
 def global_samples(dl)->int:
     "Samples in an epoch of the whole training loader (`dl`, or the loader fastai's `DistributedDL` wraps)"
@@ -27,6 +27,10 @@ def window_share(idxs:list, window:int, world:int, rank:int, partial:bool=True)-
         lo = full + rank*base + min(rank, extra)
         out += idxs[lo:lo+base+(rank < extra)]
     return out
+
+def rank_batches(n:int, window:int, world:int, rank:int, bs:int, partial:bool=True)->int:
+    "Loader batches of `bs` that rank `rank` of `world` reads in an epoch of `n` samples (`window_share`)"
+    return -(-len(window_share(range(n), window, world, rank, partial))//bs)
 
 @functools.cache
 def window_shard_dl()->type:
@@ -46,7 +50,7 @@ def window_shard_dl()->type:
             dist.broadcast(t, rank)
             return t.cpu().tolist()
 
-        def __len__(self)->int: return len(window_share(range(self.dl.n), self.window, self.world_size, self.rank, self.partial))//-self.bs*-1
+        def __len__(self)->int: return rank_batches(self.dl.n, self.window, self.world_size, self.rank, self.bs, self.partial)
         def get_idxs(self)->list:
             idxs = self._broadcast(list(self.dl.get_idxs()), 0)   # (every rank draws it, as fastai's, so RNGs stay alike)
             self.n = len(idxs)
