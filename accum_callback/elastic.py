@@ -56,5 +56,5 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
     j = st['k']//(window//(old*bs))   # windows done in the epoch
     k = j*(window//(new*bs))
     n = global_samples(learn.dls.train)
-    per_epoch = rank_batches(n, window, new, process_rank(), bs, ga.plan.partial != 'drop')   # (a shared partial window included)
+    per_epoch = rank_batches(n, window, new, process_rank(), bs, ga.plan.partial != 'drop', bool(getattr(learn.dls.train, 'drop_last', False)))
     return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)

@@ -48,7 +48,7 @@ class WindowPlan:
         dl = learn.dls.train
         if not (self.global_window and process_count() > 1): return
         check_fastai_sharding(learn)
-        check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial)
+        check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial, bool(getattr(dl, 'drop_last', False)))
 
     def loader(self, dl, model):
         "The training loader to read: with `global_window` under DDP, fastai's rank shares cut again window by window"

@@ -207,10 +207,15 @@ def _run(args)->int:
         weights = str(_rank0_first(lambda: pretrained_checkpoint(DEFAULT_ARCH, args.size)))
     elif weights == 'none': weights = None
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
+    # each window the same samples on any number of processes where this number can share them as one process runs
+    # them (else `--n-step`'s windows a process, refused by a resume on another number): `global_order.share_problem`
+    from accum_callback.global_order import share_problem
+    tr = dls.train
+    global_window = getattr(args, 'global_window', False) and share_problem(args.effective_bs, _world(), tr.bs, tr.n, 'step', tr.drop_last) is None
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
                               lr=args.lr, seed=args.seed, micro_bs=args.micro_bs, bn_precise=args.bn_precise,
-                              effective_bs=args.effective_bs if getattr(args, "global_window", False) else None)
+                              effective_bs=args.effective_bs if global_window else None)
         if args.check or args.check_only:
             print(learn.check_accumulation(), flush=True)
             if args.check_only: return 0
@@ -226,7 +231,7 @@ def _run(args)->int:
             print(f"{PROG}: stopped (SIGTERM), checkpoint saved in {args.out/'checkpoints'}: add --resume to continue", file=sys.stderr)
             return 143
         if ckpt is not None and ckpt.resumed_from is not None: m['resumed_from'] = str(ckpt.resumed_from)
-        m['data'],m['cache'],m['augment'] = dls.source,(str(cache) if cache is not None else None),augment
+        m['data'],m['cache'],m['augment'],m['global_window'] = dls.source,(str(cache) if cache is not None else None),augment,global_window
         if rank: return 0   # (one writer: rank 0 writes the results and prints the summary)
         write_metrics(m, tmp/'metrics.json'); plot_training(learn, m, tmp/'training.png')
         export(learn, tmp/'model.pkl', cached=cache is not None)

@@ -31,10 +31,10 @@ def data(n, seed=0):
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
 
 def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None,
-          fsdp=False, by_hand=False):
+          fsdp=False, by_hand=False, drop_last=False):
     """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this
     rank's micro-batch at whose end the run dies (returned: the windows until then); `fsdp`: FSDP2 (`learn.fsdp_ctx()`)
-    instead of DDP on several processes; `by_hand`: the model wrapped in DDP by hand, the loader fastai's plain one"""
+    instead of DDP on several processes; `drop_last`: fastai's default for a shuffled training loader; `by_hand`: the model wrapped in DDP by hand, the loader fastai's plain one"""
     from accum_callback import Checkpoint
     ds = data(n, seed)
     torch.manual_seed(seed); import random; random.seed(seed)
@@ -43,7 +43,7 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
     cbs = [GradientAccumulation(target_bs=window, partial=partial, global_window=global_window), spy]
     if ckpt is not None: cbs.append(Checkpoint(ckpt[0], **ckpt[1]))
     if cut is not None: cbs.append(CutAt(cut))
-    learn = make_learner(ds, bs, cbs=cbs, model=model, lr=LR, dtype=torch.float64, shuffle=True)
+    learn = make_learner(ds, bs, cbs=cbs, model=model, lr=LR, dtype=torch.float64, shuffle=True, drop_last=drop_last)
     try:
         with warnings.catch_warnings(), learn.no_logging():
             warnings.simplefilter('ignore')

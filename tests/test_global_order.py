@@ -60,6 +60,22 @@ def test_a_partial_last_window_is_stepped_or_dropped_alike(partial, steps):
     assert _global([r['windows'] for r in rs]) == one['windows'] and one['steps'] == steps
     assert rel_err(rs[0]['params'], one['params']) <= TOL
 
+@pytest.mark.parametrize('n,partial,steps', [(106, 'step', 8), (102, 'drop', 6)])
+def test_with_fastai_drop_last_the_same_windows_and_steps(n, partial, steps):
+    """fastai's default for a shuffled training loader, `drop_last=True`: one process drops an incomplete last
+    micro-batch; the ranks drop the same samples and share the rest of the last window in whole micro-batches (106: 2
+    dropped, 8 left, one micro-batch each), or all drop it. Before, each rank dropped its own short micro-batch (106: 10
+    left, 5 a rank, one of each dropped: other samples); 100 samples gave 6 steps on 2 processes against 8 on one"""
+    one = W.train(world=1, n=n, partial=partial, drop_last=True)
+    rs = launch_gloo(W.train, world=2, kwargs=dict(n=n, partial=partial, drop_last=True), timeout=120)
+    assert _global([r['windows'] for r in rs]) == one['windows'] and one['steps'] == steps
+    assert rel_err(rs[0]['params'], one['params']) <= TOL
+
+def test_with_fastai_drop_last_a_last_window_the_ranks_cannot_share_is_refused():
+    "108 samples: 12 left after the windows, 3 micro-batches of 4, which 2 ranks cannot share alike"
+    with pytest.raises(RuntimeError, match=r"108 samples leave a last window of 12.*partial='drop'"):
+        launch_gloo(W.train, world=2, kwargs=dict(n=108, drop_last=True), timeout=120)
+
 @pytest.mark.parametrize('n', [97, 105])
 def test_a_partial_last_window_the_ranks_cannot_share_is_refused(n):
     "1 sample left (a rank would have none), or 9 in micro-batches of 4 (5 and 4: two micro-batches on one rank, one on the other)"
