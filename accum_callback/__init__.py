@@ -23,7 +23,7 @@ _MOVED = dict(
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
 _LAYERS = ('modes', 'validate', 'compat', 'fastai_compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'global_order', 'window', 'window_log', 'checkpoint_format', 'guard', 'micro', 'plan', 'precise', 'bn_stats', 'replay',
-           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'noise_measure', 'fit_state', 'elastic', 'checkpoint', 'testing')
+           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'noise_measure', 'fit_state', 'elastic', 'sharded_checkpoint', 'checkpoint', 'testing')
 
 def _load_all():
     import warnings

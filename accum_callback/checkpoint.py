@@ -36,11 +36,11 @@ from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
                         restore_recorder, set_loader_orders, set_loader_rngs)
 from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
+from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state
 from .validate import whole_number
 _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
-
 
 class Checkpoint(Callback):
     """Save the fit every `every` optimizer steps, every `minutes`, at epoch ends (`epoch_end`) and when the process is
@@ -267,7 +267,7 @@ class Checkpoint(Callback):
     def _save(self, where:str):
         self.serial += 1
         f = self.file(self.serial, process_rank())
-        try: _write(f, self._snapshot(where)); ok = True
+        try: _write(f, sharded_state(self, self._snapshot(where), self._ga())); ok = True
         except OSError as e:   # a full disk, a folder made read-only: said, and training goes on (the next one tries again)
             ok = False
             last = self.file(self.saved[-1], process_rank()) if self.saved else None
@@ -279,12 +279,13 @@ class Checkpoint(Callback):
         for s in self._serials()[:-self.keep]:
             try: self.file(s, process_rank()).unlink()
             except FileNotFoundError: pass
+            remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')
 
     # -- resuming -------------------------------------------------------------------------------------------------
     def _newest(self):
         "The newest checkpoint every rank can read whole (a cut or damaged one is passed over), or None"
         for s in reversed(self._serials()):
-            try: st = read_checkpoint(self.file(s, source_rank(self._ga()))); ok = 1.
+            try: st = read_whole(self.file(s, source_rank(self._ga())), self.folder); ok = 1.
             except UnsafeCheckpoint as e:   # never read: said, and passed over like a damaged one
                 warnings.warn(f"Checkpoint: {e}", stacklevel=2); st,ok = None,0.
             except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
@@ -325,12 +326,12 @@ class Checkpoint(Callback):
         if self.strict:
             raise CheckpointError(f"Checkpoint: cannot resume {self.resumed_from} exactly, {what}. Run the fit as it was, "
                                   "start afresh with Checkpoint(..., resume=False), or accept it with strict=False")
-        import warnings
         warnings.warn(f"Checkpoint: resuming {self.resumed_from} with {what} (strict=False): not the run it would have been")
 
     def _load(self, st:dict):
         learn = self.learn
         model = unwrap(learn.model)
+        if st.get('sharded'): st = load_sharded(self.folder, st, learn.model, learn.opt)
         with torch.no_grad():
             sd = model.state_dict()
             for k,v in st['model'].items(): local_tensor(sd[k]).copy_(v)

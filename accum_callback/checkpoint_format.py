@@ -11,7 +11,8 @@ import torch
 from .files import atomic_write
 from .window import Phase, StepRecord
 
-__all__ = ['CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard']
+__all__ = ['CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
+           'is_rank_shard']
 
 _MAGIC = b'ACKPT1\n'
 
@@ -62,6 +63,8 @@ def plain_state(o, where:str='state'):
 
 class _Shard(torch.Tensor):
     "A DTensor's local shard as read from a checkpoint, until `_reshard` makes it a DTensor like its parameter"
+
+def is_rank_shard(t)->bool: "Is `t` a rank's shard of a DTensor as read from a checkpoint (made a DTensor again by `reshard`)?"; return isinstance(t, _Shard)
 
 def reshard(state, param):
     "The optimizer `state` of `param` (a dict, list or tensor) with every `_Shard` a DTensor laid out as `param`"

@@ -1,11 +1,12 @@
 """Resuming a `global_window` run on another number of processes (issue 54). Such a run's windows hold the same
 samples on any number of processes (`global_order`), and at a window's end a DDP replica holds all a rank needs: the
 weights and the optimizer's state are every rank's, the window is empty, and the epoch's place is a count of windows.
-So every rank reads rank 0's checkpoint file and counts that place again in its own loader batches. On as many
-processes as it was saved on, each rank reads its own file, as any run does (its RNG states: bitwise)"""
+So every rank reads rank 0's checkpoint file and counts that place again in its own loader batches. Under FSDP2 the
+model and optimizer are in a DCP folder instead (`sharded_checkpoint`), which every rank reads in its own layout. On as
+many processes as it was saved on, each rank reads its own file, as any run does (its RNG states: bitwise)"""
 from __future__ import annotations
 
-from .checkpoint_format import CheckpointError, read_checkpoint
+from .checkpoint_format import CheckpointError, is_rank_shard, read_checkpoint
 from .distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
 from .global_order import global_samples, rank_batches
@@ -19,8 +20,7 @@ def loader_signature(learn, ga)->dict:
     data and the window over all ranks (the same on any number of processes), else this rank's batches and the world"""
     dl = learn.dls.train
     if not is_elastic(ga): return {'world size': process_count(), 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}"}
-    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.plan.target_bs()} samples over all ranks",
-            'FSDP2': is_fsdp(learn.model)}
+    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.plan.target_bs()} samples over all ranks"}
 
 def save_waits(ga, model, batches_due:bool)->bool:
     """Does a checkpoint due now wait for the window's end? Under FSDP2, which holds a window's gradients unsharded
@@ -41,12 +41,22 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
     learn = ckpt.learn
     old,new = st.get('world', 1),process_count()
     own = ckpt.file(serial, process_rank())
-    if old == new: return (st if process_rank() == 0 else read_checkpoint(own)),own
+    # the model's layout: a DCP folder (FSDP2) reads into any; whole tensors (DDP, one process) into all but FSDP2; each
+    # rank's FSDP2 shards in its own file (written before the DCP folder) on as many processes under FSDP2 only
+    legacy,fsdp = bool(st['signature'].pop('FSDP2', False)) and not st.get('sharded'),is_fsdp(learn.model)
+    if not st.get('sharded') and (fsdp != legacy or (legacy and old != new)):
+        held = "each rank's FSDP2 shards" if legacy else "whole tensors (saved under DDP or on one process)"
+        raise CheckpointError(f"Checkpoint: {ckpt.file(serial, 0)} holds {held}, and this run has {new} process(es)"
+                              f"{' under FSDP2' if fsdp else ''}: resume it on {old} process(es) under "
+                              f"{'FSDP2' if legacy else 'DDP'}, or start afresh with Checkpoint(..., resume=False)")
+    if old == new:
+        mine = st if process_rank() == 0 else read_checkpoint(own)
+        mine['signature'].pop('FSDP2', None)
+        return mine,own
     ga_key = next(k for k,cb,_,_ in callback_states(learn, ckpt) if cb is ga)
     where = f"Checkpoint: {ckpt.file(serial, 0)} was saved on {old} process(es) and this run has {new}"
-    if is_fsdp(learn.model) or st['signature'].get('FSDP2'):
-        raise CheckpointError(f"{where}; FSDP2's shards are resumed on as many processes only (elastic FSDP2 is not "
-                              f"built yet): launch {old} processes, or start afresh with Checkpoint(..., resume=False)")
+    shard = _rank_shard(st)
+    if shard: raise CheckpointError(f"{where}, and {shard} holds a rank's shard, which another number cannot read: launch {old} processes")
     if st['where'] != 'mid': return st,ckpt.file(serial, 0)
     if st['callbacks'][ga_key]['window']['n_micro']:
         raise CheckpointError(f"{where}, and it holds half a window ({st['callbacks'][ga_key]['window']['n_micro']} "
@@ -58,3 +68,10 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
     n = global_samples(learn.dls.train)
     per_epoch = rank_batches(n, window, new, process_rank(), bs, ga.plan.partial != 'drop', bool(getattr(learn.dls.train, 'drop_last', False)))
     return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)
+
+
+def _rank_shard(o, where='state')->str|None:
+    "Where in `o` (a checkpoint's state) a rank's shard of a DTensor is (a callback's state), or None"
+    if is_rank_shard(o): return where
+    items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, (list, tuple)) else ()
+    return next((w for k,v in items if (w := _rank_shard(v, f'{where}[{k!r}]'))), None)

@@ -1,9 +1,12 @@
 """What a checkpoint costs (issue 37): the time to write one and its size, for the job's model and for resnet50 (with
 Adam's state and a window's gradients, as `Checkpoint` saves them), and the training time with checkpoints against
 without, side by side in alternating rounds: at the default cadence (every 5 minutes: none in a short run, so the cost
-is the bookkeeping) and every optimizer step.
+is the bookkeeping) and every optimizer step. Then (issue 54) resnet50 under FSDP2 on 2 gloo processes, with Adam's
+state sharded: today's per-rank file (each rank its shards) against the DCP folder an elastic run writes
+(`sharded_checkpoint`), written and read back in alternating rounds, and the DCP folder read on one process (whole
+tensors: what a resume on another number of processes does; a per-rank file cannot be).
 
-    python bench/checkpoint_cost.py [--rounds 7]"""
+    python bench/checkpoint_cost.py [--rounds 7] [--skip-dcp]"""
 import argparse, statistics, sys, tempfile, time, warnings
 from pathlib import Path
 
@@ -52,9 +55,77 @@ def train_ratio(rounds:int, d:Path):
         out[k] = (med, 1.4826*statistics.median([abs(x-med) for x in ratios]), statistics.median(times[k]))
     return out, statistics.median(times['plain'])
 
+def _sharded_resnet(world):
+    "resnet50 under FSDP2 (each bottleneck block and the root sharded), fastai's Adam with its moments filled"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchvision.models import resnet50
+    from fastai.optimizer import Adam
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = resnet50(weights=None)
+    if world > 1:
+        mesh = init_device_mesh('cpu', (world,))
+        for layer in (m.layer1, m.layer2, m.layer3, m.layer4):
+            for block in layer: fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt = Adam(list(m.parameters()), lr=1e-3)
+    for p in m.parameters(): opt.state[p] = dict(grad_avg=torch.randn_like(p), sqr_avg=torch.rand_like(p), step=1)
+    return m,opt
+
+def _dcp_rank(rank, world, d, rounds):
+    "On each rank: per-rank file against DCP folder, written and read, alternating; rank 0 returns the times and sizes"
+    import torch.distributed as dist
+    from accum_callback.compat import local_tensor
+    from accum_callback.sharded_checkpoint import load_sharded, save_sharded, strip_sharded
+    d = Path(d)
+    m,opt = _sharded_resnet(world)
+    def state(): return dict(model={k: local_tensor(v).clone() for k,v in m.state_dict().items()}, grads=[None]*len(list(m.parameters())), opt=opt.state_dict())
+    def per_rank(r):
+        f = d/f'pr{r}.rank{rank}.pt'
+        dist.barrier(); t0 = time.perf_counter(); _write(f, state()); dist.barrier(); w = time.perf_counter()-t0
+        t0 = time.perf_counter(); st = read_checkpoint(f)
+        with torch.no_grad():
+            sd = m.state_dict()
+            for k,v in st['model'].items(): local_tensor(sd[k]).copy_(v)
+        dist.barrier(); return w,time.perf_counter()-t0,sum(x.stat().st_size for x in d.glob(f'pr{r}.rank*.pt'))
+    def sharded(r):
+        f = d/f'dc{r}.rank{rank}.pt'
+        dist.barrier(); t0 = time.perf_counter()
+        _write(f, strip_sharded(state(), save_sharded(d/f'dc{r}.dcp', m, opt))); dist.barrier(); w = time.perf_counter()-t0
+        t0 = time.perf_counter(); load_sharded(d, read_checkpoint(f), m, opt); dist.barrier()
+        size = sum(x.stat().st_size for x in (d/f'dc{r}.dcp').iterdir()) + sum(x.stat().st_size for x in d.glob(f'dc{r}.rank*.pt'))
+        return w,time.perf_counter()-t0,size
+    per_rank(-1); sharded(-1)   # warm-up
+    out = {'per-rank file': [], 'DCP folder': []}
+    for r in range(rounds):
+        pair = [('per-rank file', per_rank), ('DCP folder', sharded)]
+        for k,f in (pair if r % 2 == 0 else pair[::-1]): out[k].append(f(r))
+    return out
+
+def dcp_cost(rounds:int, d:Path):
+    from accum_callback.testing import launch_gloo
+    from accum_callback.sharded_checkpoint import load_sharded
+    res = launch_gloo(_dcp_rank, world=2, args=(str(d), rounds), timeout=600, start='fork')[0]
+    print("resnet50 under FSDP2 on 2 gloo processes, Adam's moments sharded (one thread each):")
+    med = lambda xs: statistics.median(xs)
+    for k,rows in res.items():
+        print(f"  {k}: written in {med([r[0] for r in rows]):.3f} s, read in {med([r[1] for r in rows]):.3f} s, "
+              f"{rows[0][2]/2**20:.1f} MiB on disk (medians of {rounds})")
+    for j,what in ((0, 'write'), (1, 'read')):
+        ratios = [b[j]/a[j] for a,b in zip(res['per-rank file'], res['DCP folder'])]
+        print(f"  DCP / per-rank file, {what}: {med(ratios):.3f} (per round: {min(ratios):.3f} to {max(ratios):.3f})")
+    m,opt = _sharded_resnet(1)   # one process, whole tensors, no process group: the elastic resume's read
+    from accum_callback.checkpoint_format import read_checkpoint as read
+    ts = []
+    for r in range(min(3, rounds)):
+        t0 = time.perf_counter(); load_sharded(d, read(d/f'dc{r}.rank0.pt'), m, opt); ts.append(time.perf_counter()-t0)
+    print(f"  the DCP folder read on 1 process (another number of processes, whole tensors): {med(ts):.3f} s (median of {len(ts)}); "
+          "a per-rank file cannot be")
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--rounds', type=int, default=7)
+    p.add_argument('--skip-dcp', action='store_true', help='leave out the FSDP2 part (per-rank file against DCP)')
     a = p.parse_args()
     torch.set_num_threads(1)
     print(machine())
@@ -71,5 +142,6 @@ def main():
         for k,label in (('minutes5', 'every 5 minutes (the default cadence; none fall due in the run)'), ('every_step', 'every optimizer step')):
             med,spread,t = res[k]
             print(f"with checkpoints {label}: {med:.3f} ± {spread:.3f} of the time without ({a.rounds} alternating rounds)")
+        if not a.skip_dcp: dcp_cost(a.rounds, d)
 
 if __name__ == '__main__': main()

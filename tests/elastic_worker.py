@@ -31,33 +31,46 @@ def data(n, seed=0):
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
 
 def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None,
-          fsdp=False, by_hand=False, drop_last=False):
+          fsdp=False, by_hand=False, drop_last=False, adam=False, layer=None, bn=None):
     """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this
     rank's micro-batch at whose end the run dies (returned: the windows until then); `fsdp`: FSDP2 (`learn.fsdp_ctx()`)
-    instead of DDP on several processes; `drop_last`: fastai's default for a shuffled training loader; `by_hand`: the model wrapped in DDP by hand, the loader fastai's plain one"""
+    instead of DDP on several processes; `adam`: fastai's Adam (its state sharded under FSDP2), else SGD; `layer`: 'batchnorm' or 'dropout' after the first layer, with `bn` a `BatchNormAccumulation` mode; `drop_last`: fastai's default for a shuffled training loader; `by_hand`: the model wrapped in DDP by hand, the loader fastai's plain one"""
     from accum_callback import Checkpoint
     ds = data(n, seed)
     torch.manual_seed(seed); import random; random.seed(seed)
     model = torch.nn.Sequential(Scale(), MLP(n_in=ds.tensors[0].shape[1], n_out=ds.tensors[1].shape[1], seed=seed)).double()
+    if layer is not None:
+        torch.manual_seed(seed)
+        extra = torch.nn.BatchNorm1d(16) if layer == 'batchnorm' else torch.nn.Dropout(0.2)
+        model = torch.nn.Sequential(Scale(), torch.nn.Linear(ds.tensors[0].shape[1], 16), extra, torch.nn.Tanh(),
+                                    torch.nn.Linear(16, ds.tensors[1].shape[1])).double()
     spy = WindowIds()
     cbs = [GradientAccumulation(target_bs=window, partial=partial, global_window=global_window), spy]
+    if bn is not None:
+        from accum_callback import BatchNormAccumulation
+        cbs.append(BatchNormAccumulation(bn))
     if ckpt is not None: cbs.append(Checkpoint(ckpt[0], **ckpt[1]))
     if cut is not None: cbs.append(CutAt(cut))
-    learn = make_learner(ds, bs, cbs=cbs, model=model, lr=LR, dtype=torch.float64, shuffle=True, drop_last=drop_last)
+    from fastai.optimizer import Adam, SGD
+    learn = make_learner(ds, bs, cbs=cbs, model=model, lr=LR, dtype=torch.float64, shuffle=True, drop_last=drop_last,
+                         opt_func=Adam if adam else SGD)
     try:
         with warnings.catch_warnings(), learn.no_logging():
             warnings.simplefilter('ignore')
-            if world == 1: learn.fit_one_cycle(n_epoch, LR)
+            lr = LR/10 if adam else LR
+            if world == 1: learn.fit_one_cycle(n_epoch, lr)
             elif by_hand:
                 from torch.nn.parallel import DistributedDataParallel as DDP
-                learn.model = DDP(learn.model); learn.fit_one_cycle(n_epoch, LR)
+                learn.model = DDP(learn.model); learn.fit_one_cycle(n_epoch, lr)
             else:
                 from accum_callback.distributed import gloo_distributed_dl
                 with gloo_distributed_dl(), (learn.fsdp_ctx() if fsdp else learn.distrib_ctx(sync_bn=False, cpu=True)):
-                    learn.fit_one_cycle(n_epoch, LR)
+                    learn.fit_one_cycle(n_epoch, lr)
     except _Cut: return dict(windows=spy.windows, cut=True)
     ck = next((c for c in learn.cbs if isinstance(c, Checkpoint)), None)
-    return dict(params=torch.cat([(p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().reshape(-1) for p in learn.model.parameters()]), windows=spy.windows,
+    full = lambda p: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().reshape(-1).double()
+    return dict(params=torch.cat([full(p) for p in learn.model.parameters()]), windows=spy.windows,
+                buffers=torch.cat([full(b) for b in learn.model.buffers()] or [torch.zeros(0)]),
                 steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None)
 
 class Scale(torch.nn.Module):

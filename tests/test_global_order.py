@@ -130,15 +130,67 @@ def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_p
     assert rel_err(res[0]['params'], one['params']) <= TOL and res[1]['resumed'].endswith('.rank1.pt')
 
 @needs_fsdp2
-def test_fsdp2_runs_the_same_windows_and_its_checkpoint_resumes_on_as_many_processes_only(tmp_path, one):
-    """Under FSDP2 (`learn.fsdp_ctx()`) `global_window` gives the same windows and weights as one process; its
-    checkpoint (each rank its shard) is refused on another number of processes, naming both, and resumes on as many"""
+def test_fsdp2_runs_the_same_windows_and_weights(one):
+    "Under FSDP2 (`learn.fsdp_ctx()`) `global_window` gives the same windows and weights as one process"
     sharded = launch_gloo(W.train, world=2, kwargs=dict(fsdp=True), timeout=180)
     assert _global([r['windows'] for r in sharded]) == one['windows']
     assert rel_err(sharded[0]['params'], one['params']) <= TOL
+
+@pytest.fixture(scope='module')
+def one_adam():
+    return W.train(world=1, adam=True)
+
+def _run_fsdp(world, **kw): return W.train(**kw) if world == 1 else launch_gloo(W.train, world=world, kwargs=dict(kw, fsdp=True), timeout=180)
+
+@needs_fsdp2
+@pytest.mark.parametrize('old,new', [(2, 1), (2, 4), (4, 2), (2, 2)])
+def test_fsdp2_resumed_on_another_number_of_processes_is_the_same_run(tmp_path, one_adam, old, new):
+    """FSDP2 with Adam (its moments sharded like the weights): cut mid-window in the second epoch of `fit_one_cycle`,
+    the checkpoint before the cut at a window's end holds the model and the optimizer in a DCP folder
+    (`sharded_checkpoint`), read on `new` processes in their own layout (on 1: whole tensors, no process group); the
+    windows before and after are the uninterrupted 1-process run's, sample for sample, the weights equal to 1e-6"""
+    k = 32//(old*4)
     ck = (str(tmp_path/'ck'), dict(every=1))
-    launch_gloo(W.train, world=2, kwargs=dict(fsdp=True, ckpt=ck, cut=9), timeout=180)
-    from accum_callback.checkpoint import CheckpointError
-    with pytest.raises(CheckpointError, match=r"saved on 2 process\(es\) and this run has 1; FSDP2's shards"): W.train(ckpt=ck)
-    again = launch_gloo(W.train, world=2, kwargs=dict(fsdp=True, ckpt=ck), timeout=180)
-    assert rel_err(again[0]['params'], one['params']) <= TOL and again[1]['resumed'].endswith('.rank1.pt')
+    cut = _per_rank(old, _run_fsdp(old, ckpt=ck, cut=4*k + 1, adam=True))
+    assert all(r['cut'] for r in cut) and sorted(p.name for p in (tmp_path/'ck').glob('*.dcp')) == ['ckpt-000003.dcp', 'ckpt-000004.dcp']
+    before = _global([r['windows'] for r in cut])
+    assert before == one_adam['windows'][:4]
+    res = _per_rank(new, _run_fsdp(new, ckpt=ck, adam=True))
+    assert all(r['resumed'].endswith('ckpt-000004.rank0.pt' if new != old else f'ckpt-000004.rank{i}.pt') for i,r in enumerate(res))
+    assert before + _global([r['windows'] for r in res]) == one_adam['windows']
+    for r in res: assert rel_err(r['params'], one_adam['params']) <= TOL
+
+@needs_fsdp2
+def test_a_whole_checkpoint_is_refused_under_fsdp2_and_a_damaged_dcp_folder_passed_over(tmp_path, one_adam):
+    """A DDP run's checkpoint (whole tensors) resumed under FSDP2 is refused naming the way; a DCP folder whose shard is
+    damaged is passed over for the checkpoint before it, and the run is still the same"""
+    ck = (str(tmp_path/'ddp'), dict(every=1))
+    launch_gloo(W.train, world=2, kwargs=dict(ckpt=ck, cut=9, adam=True), timeout=180)
+    with pytest.raises(RuntimeError, match=r"CheckpointError.*\n?.*holds whole tensors .* under FSDP2: resume it on 2 process\(es\) under DDP"):
+        launch_gloo(W.train, world=2, kwargs=dict(ckpt=ck, fsdp=True, adam=True), timeout=180)
+    ck = (str(tmp_path/'fsdp'), dict(every=1))
+    launch_gloo(W.train, world=2, kwargs=dict(ckpt=ck, cut=9, fsdp=True, adam=True), timeout=180)
+    assert sorted(p.name for p in (tmp_path/'fsdp').glob('*.dcp')) == ['ckpt-000001.dcp', 'ckpt-000002.dcp']
+    f = tmp_path/'fsdp'/'ckpt-000002.dcp'/'__1_0.distcp'
+    data = bytearray(f.read_bytes()); data[len(data)//2] ^= 0xFF; f.write_bytes(bytes(data))
+    res = W.train(ckpt=ck, adam=True)
+    assert res['resumed'].endswith('ckpt-000001.rank0.pt') and rel_err(res['params'], one_adam['params']) <= TOL
+
+def test_dcp_metadata_is_read_without_running_code(tmp_path):
+    """DCP's metadata file is a pickle: `read_dcp_metadata` makes DCP's metadata classes only. A planted one is refused
+    and what it holds never runs; one that declares a non-tensor item (which DCP would unpickle) is refused too"""
+    import os, pickle
+    import torch.distributed.checkpoint as dcp
+    from accum_callback.checkpoint import UnsafeCheckpoint
+    from accum_callback.sharded_checkpoint import read_dcp_metadata
+    dcp.save({'w': torch.arange(6.).reshape(2, 3)}, checkpoint_id=str(tmp_path/'ok'))
+    md = read_dcp_metadata(tmp_path/'ok'/'.metadata')
+    assert list(md.state_dict_metadata) == ['w']
+    marker = tmp_path/'ran'
+    class Planted:
+        def __reduce__(self): return (os.system, (f'touch {marker}',))
+    (tmp_path/'planted').mkdir(); (tmp_path/'planted'/'.metadata').write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(UnsafeCheckpoint, match=r'names (posix|os)\.system'): read_dcp_metadata(tmp_path/'planted'/'.metadata')
+    assert not marker.exists()
+    dcp.save({'w': torch.zeros(2), 'note': 'bytes'}, checkpoint_id=str(tmp_path/'bytes'))
+    with pytest.raises(UnsafeCheckpoint, match="declares 'note' as other than a tensor"): read_dcp_metadata(tmp_path/'bytes'/'.metadata')

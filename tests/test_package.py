@@ -197,7 +197,7 @@ def test_no_module_over_400_lines_and_gradient_accumulation_an_adapter():
 # where a module's tests are when they are not in tests/test_<module>.py (each file named must name the module)
 TESTED_IN = dict(bn_check='test_precise.py', bn_stats='test_batchnorm.py', checkpoint='test_resume.py',
                  checkpoint_format='test_resume.py', fit_state='test_resume.py', compat='test_package.py',
-                 elastic='test_global_order.py', files='test_resume.py', fsdp='test_distributed.py', modes='test_batchnorm.py',
+                 elastic='test_global_order.py', sharded_checkpoint='test_global_order.py', files='test_resume.py', fsdp='test_distributed.py', modes='test_batchnorm.py',
                  noise_measure='test_noise.py', norm_layers='test_batchnorm.py', testing='test_distributed.py',
                  window_log='test_accumulate.py')
 
