@@ -12,7 +12,7 @@ from .accumulate import GradientAccumulation
 from .compat import is_compiled
 from .micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
-from .distributed import fsdp_modules, sync_batchnorm_world
+from .distributed import fsdp_modules, process_count, sync_batchnorm_world
 from .guard import CANCELS, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
@@ -46,8 +46,11 @@ class Pool(_Mode):
         groups = {}
         for bn in bns: groups.setdefault((bn.running_mean.device, bn.running_mean.dtype), []).append(bn)
         cap,staged = self.cb.ga.window_n_step,is_compiled(self.cb.learn.model)
+        # a `global_window` run's window is the same samples on any number of processes: pooled over all ranks (not for
+        # SyncBatchNorm, whose statistics cover all ranks already), so its running statistics are one process's
+        ranks = getattr(getattr(self.cb.ga, 'plan', None), 'global_window', False) and process_count() > 1
         for g in groups.values():
-            bank = PooledStats(g, [bn.momentum for bn in g], cap, staged)
+            bank = PooledStats(g, [bn.momentum for bn in g], cap, staged, ranks and all(sync_batchnorm_world(bn) == 1 for bn in g))
             for l,bn in enumerate(g):
                 pre,post = bank.hooks(l)
                 self.handles += [bn.register_forward_pre_hook(pre), bn.register_forward_hook(post)]
@@ -299,6 +302,7 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy):
     def after_backward(self):
         if self.active is not None: self.active.after_backward()
     def keeps_running_stats(self)->bool: "'freeze' leaves the running statistics as they are"; return self.mode == 'freeze'
+    def pools_over_ranks(self)->bool: "'pool' pools a `global_window` run's window over all ranks (`PooledStats.over_ranks`)"; return self.mode == 'pool'
 
     def state_dict(self)->dict:
         "What a window in progress holds ('pool': its micro-batches' statistics; 'momentum': the momenta in force)"

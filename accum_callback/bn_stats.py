@@ -64,8 +64,8 @@ class PooledStats:
     copied into the window tensor after the backward (one copy a micro-batch). What torch.compile traces of the hooks is
     the same at every micro-batch, so it compiles no graph more than without them. `num_batches_tracked`, which the
     layers then count per forward, is set back to one count a window."""
-    def __init__(self, bns:list, momenta:list, cap:int=1, staged:bool=False):
-        self.bns,self.momenta = bns,momenta
+    def __init__(self, bns:list, momenta:list, cap:int=1, staged:bool=False, over_ranks:bool=False):
+        self.bns,self.momenta,self.over_ranks = bns,momenta,over_ranks
         rm = bns[0].running_mean
         self.device,self.dtype,self.sizes = rm.device,rm.dtype,[bn.num_features for bn in bns]
         L,dev = len(bns),rm.device
@@ -202,7 +202,7 @@ class PooledStats:
         table = host.to(self.device, non_blocking=True).index_select(1, self.chan_layer)   # (J+1, channels)
         if self._pin: self._event = torch.cuda.Event(); self._event.record()
         st = self.S[:J].double()   # (J, 2, channels)
-        mean,var = pooled_mean_var(table[:J], st[:,0], st[:,1])
+        mean,var = (self._over_ranks if self.over_ranks else pooled_mean_var)(table[:J], st[:,0], st[:,1])
         rms,rvs = [bn.running_mean for bn in self.bns],[bn.running_var for bn in self.bns]
         new = torch.cat(rms + rvs).view(2, -1).double().lerp_(torch.stack([mean, var]), table[J]).to(self.dtype)
         foreach('copy_')(rms + rvs, list(new.view(-1).split(self.sizes*2)))
@@ -213,6 +213,21 @@ class PooledStats:
             return
         called = [bn.num_batches_tracked for bn,c in zip(self.bns, self.counts) if c and bn.num_batches_tracked is not None]
         if called: foreach('add_')(called, 1)
+
+    def _over_ranks(self, n, mean, var)->tuple[torch.Tensor,torch.Tensor]:
+        """`pooled_mean_var` of the window over all ranks (`over_ranks`: a `global_window` run, whose window is the same
+        samples on any number of processes): each rank's pooled items, mean and m2 gathered, then pooled again. A layer
+        that ran on no rank keeps a fake count of 2 on zero statistics (its weight is 0)"""
+        import torch.distributed as dist
+        ran = torch.tensor([float(bool(c)) for c in self.counts], dtype=n.dtype, device=n.device).index_select(0, self.chan_layer)
+        tot,mu,m2 = pooled_moments(n, mean, (n-1).clamp_min(0)*var)
+        mine = torch.stack([tot*ran, mu*ran, m2*ran])
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        g = torch.stack(parts)   # (ranks, 3, channels)
+        cnt = g[:, 0].clone(); cnt[0] += 2*(cnt.sum(0) == 0)
+        tot,mu,m2 = pooled_moments(cnt, g[:, 1], g[:, 2])
+        return mu,m2/(tot-1)
 
     @torch.no_grad()
     def fix_nbt(self):

@@ -6,12 +6,19 @@ model and optimizer are in a DCP folder instead (`sharded_checkpoint`), which ev
 many processes as it was saved on, each rank reads its own file, as any run does (its RNG states: bitwise)"""
 from __future__ import annotations
 
+import warnings
+
+from fastai.callback.core import Callback
+
 from .checkpoint_format import CheckpointError, is_rank_shard, read_checkpoint
+from .compat import rng_states
 from .distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
 from .global_order import global_samples, rank_batches
+from .guard import RunningStatsPolicy
+from .precise import trained_bn_layers
 
-__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state']
+__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'say_what_differs', 'RankDraws']
 
 def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.plan.global_window
 
@@ -57,6 +64,7 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
     where = f"Checkpoint: {ckpt.file(serial, 0)} was saved on {old} process(es) and this run has {new}"
     shard = _rank_shard(st)
     if shard: raise CheckpointError(f"{where}, and {shard} holds a rank's shard, which another number cannot read: launch {old} processes")
+    say_what_differs(learn, old, new)
     if st['where'] != 'mid': return st,ckpt.file(serial, 0)
     if st['callbacks'][ga_key]['window']['n_micro']:
         raise CheckpointError(f"{where}, and it holds half a window ({st['callbacks'][ga_key]['window']['n_micro']} "
@@ -75,3 +83,44 @@ def _rank_shard(o, where='state')->str|None:
     if is_rank_shard(o): return where
     items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, (list, tuple)) else ()
     return next((w for k,v in items if (w := _rank_shard(v, f'{where}[{k!r}]'))), None)
+
+# -- what another number of processes cannot keep the same (said at resume, with the measured difference) -------------
+_MEASURED = "docs/resume.md#what-another-number-of-processes-changes"
+
+def say_what_differs(learn, old:int, new:int):
+    """Said when a run saved on `old` processes resumes on `new`: BatchNorm layers whose running statistics training
+    updates (each rank keeps its own: DDP carries rank 0's), now; and, at the first training micro-batch that draws from
+    the global RNGs (dropout, random transforms: each rank draws its own), one line more (`RankDraws`)"""
+    policy = next((cb for cb in learn.cbs if isinstance(cb, RunningStatsPolicy)), None)
+    same = policy is not None and (policy.keeps_running_stats() or policy.pools_over_ranks())
+    bns = [] if same else trained_bn_layers(learn.model, learn)
+    if bns and process_rank() == 0:
+        mode = getattr(policy, 'mode', None)
+        warnings.warn(f"Checkpoint: resumed on {new} process(es) from {old}: {len(bns)} BatchNorm layer(s) update their running "
+                      f"statistics on each rank's micro-batches (mode {mode!r}), so those statistics are not the uninterrupted "
+                      f"run's ({'nor the weights: Batch Renorm corrects with them' if mode == 'renorm' else 'the weights are'}; "
+                      f"'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=2)
+    learn.add_cb(RankDraws(old, new))
+
+class RankDraws(Callback):
+    """Watches the training micro-batches of a run resumed on another number of processes: one that draws from the
+    global RNGs between the previous micro-batch's end and its own backward (its loading, its forward and backward: not
+    the epoch's start) draws on each rank, so the run is not the uninterrupted one: said once, then this leaves"""
+    order,run_valid = 96,False
+    def __init__(self, old:int, new:int): self.old,self.new,self.last = old,new,None
+    def before_train(self): self.last = None
+    def after_backward(self):
+        if self.last is None or _same(self.last, rng_states()): return
+        if process_rank() == 0:
+            warnings.warn(f"Checkpoint: resumed on {self.new} process(es) from {self.old}: training draws random numbers "
+                          "(dropout, random transforms), which each rank draws for its own micro-batches, so this is not "
+                          f"the uninterrupted run (the samples of each window are): {_MEASURED}", stacklevel=2)
+        self.learn.remove_cb(self)
+    def after_batch(self): self.last = rng_states()
+    def after_fit(self):
+        if self in self.learn.cbs: self.learn.remove_cb(self)
+
+def _same(a, b)->bool:
+    import torch
+    eq = lambda x, y: torch.equal(x, y) if isinstance(x, torch.Tensor) else all(map(eq, x, y)) if isinstance(x, (list, tuple)) else bool((x == y).all()) if hasattr(x, 'all') else x == y
+    return all(map(eq, a, b))

@@ -52,6 +52,7 @@ class RunningStatsPolicy:
     """Declared by a callback that decides whether training updates BatchNorm's running statistics
     (`BatchNormAccumulation`): `precise.trained_bn_layers` finds it by this class"""
     def keeps_running_stats(self)->bool: "Does training leave the running statistics as they are ('freeze')?"; return False
+    def pools_over_ranks(self)->bool: "In a `global_window` run, are they pooled over every rank's part of each window ('pool')?"; return False
 
 def in_inference(learn)->bool:
     """Is `learn` inside `validate`/`get_preds`/`predict`/`tta` rather than a training `fit`? fastai sends `before_fit`

@@ -102,7 +102,8 @@ def save_sharded(folder:Path, model, opt)->dict:
     if world > 1: dist.barrier()
     dcp.save(state, storage_writer=FileSystemWriter(part, single_file_per_rank=True, thread_count=1))
     own = sorted(part.glob(f'__{rank}_*.distcp'))
-    if len(own) > 1: raise CheckpointError(f"DCP wrote {len(own)} files for rank {rank} in {part}, one was asked")
+    if len(own) > 1 or (own and own[0].name != f'__{rank}_0.distcp'):
+        raise CheckpointError(f"DCP wrote {[f.name for f in own]} for rank {rank} in {part}, one file __{rank}_0.distcp was asked")
     sums = torch.zeros(world, 2, dtype=torch.int64)
     if own: sums[rank] = torch.tensor(_crc(own[0]))
     else: sums[rank] = -1

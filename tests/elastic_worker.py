@@ -55,8 +55,8 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
     learn = make_learner(ds, bs, cbs=cbs, model=model, lr=LR, dtype=torch.float64, shuffle=True, drop_last=drop_last,
                          opt_func=Adam if adam else SGD)
     try:
-        with warnings.catch_warnings(), learn.no_logging():
-            warnings.simplefilter('ignore')
+        with warnings.catch_warnings(record=True) as caught, learn.no_logging():
+            warnings.simplefilter('always')
             lr = LR/10 if adam else LR
             if world == 1: learn.fit_one_cycle(n_epoch, lr)
             elif by_hand:
@@ -67,11 +67,12 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
                 with gloo_distributed_dl(), (learn.fsdp_ctx() if fsdp else learn.distrib_ctx(sync_bn=False, cpu=True)):
                     learn.fit_one_cycle(n_epoch, lr)
     except _Cut: return dict(windows=spy.windows, cut=True)
+    said = [str(w.message) for w in caught if 'Checkpoint: resumed on' in str(w.message)]
     ck = next((c for c in learn.cbs if isinstance(c, Checkpoint)), None)
     full = lambda p: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().reshape(-1).double()
     return dict(params=torch.cat([full(p) for p in learn.model.parameters()]), windows=spy.windows,
-                buffers=torch.cat([full(b) for b in learn.model.buffers()] or [torch.zeros(0)]),
-                steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None)
+                buffers=torch.cat([full(b) for b in learn.model.buffers() if b.is_floating_point()] or [torch.zeros(0)]),
+                steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None, said=said)
 
 class Scale(torch.nn.Module):
     "The id column scaled to the others' size"
