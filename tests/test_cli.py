@@ -777,8 +777,9 @@ def _elastic_job(procs:int, out, *extra, base=_ELASTIC):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, 'OMP_NUM_THREADS': '1'})
 
-def _stop_in_epoch_2(p, out:Path, procs:int):
-    "SIGTERM to the last process once a checkpoint of the second epoch is there: every process saves at the window's end and stops"
+def _stop_in_epoch_2(p, out:Path, procs:int, sig=signal.SIGTERM):
+    """SIGTERM to the last process once a checkpoint of the second epoch is there: every process saves at the window's
+    end and stops; SIGKILL: that process dies at once, torchrun stops the others, the checkpoint before is the newest"""
     t0 = time.monotonic()
     def second_epoch():
         from accum_callback.checkpoint import read_checkpoint
@@ -793,21 +794,21 @@ def _stop_in_epoch_2(p, out:Path, procs:int):
     else:
         kids = subprocess.run(['pgrep', '-P', str(p.pid)], capture_output=True, text=True).stdout.split()
         workers = [k for k in kids if 'accum_callback' in Path(f'/proc/{k}/cmdline').read_text()]
-        os.kill(int(sorted(workers)[-1]), signal.SIGTERM)
+        os.kill(int(sorted(workers)[-1]), sig)
     _,err = p.communicate(timeout=120)
-    assert p.returncode != 0 and 'checkpoint saved' in err, err[-3000:]
+    assert p.returncode != 0 and ('checkpoint saved' in err or sig == signal.SIGKILL), err[-3000:]
 
-@pytest.mark.parametrize('old,new', [(2, 1), (1, 2)])
-def test_the_job_stopped_on_one_number_of_processes_resumes_on_another(tmp_path, old, new):
+@pytest.mark.parametrize('old,new,sig', [(2, 1, 'SIGTERM'), (1, 2, 'SIGTERM'), (2, 1, 'SIGKILL')])
+def test_the_job_stopped_on_one_number_of_processes_resumes_on_another(tmp_path, old, new, sig):
     """`--effective-bs` keeps each window's samples on any number of processes (`global_window`): the job stopped by
-    SIGTERM in its second epoch on `old` processes and resumed with `--resume` on `new` takes the uninterrupted run's
+    SIGTERM (or a rank killed by SIGKILL) in its second epoch on `old` processes and resumed with `--resume` on `new` takes the uninterrupted run's
     optimizer steps and ends at its accuracy within float32's noise. The job trains in float32 with Adam, where two
     1-process runs of the same large batch (micro-batches of 4 against 8) end 1.3e-2 apart in their weights: the
     exactness itself is tested in float64 (tests/test_global_order.py)"""
     ref = _elastic_job(old, tmp_path/'ref', '--checkpoint-minutes', '0'); _,err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err[-3000:]
     cut = _elastic_job(old, tmp_path/'cut')
-    _stop_in_epoch_2(cut, tmp_path/'cut', old)
+    _stop_in_epoch_2(cut, tmp_path/'cut', old, getattr(signal, sig))
     again = _elastic_job(new, tmp_path/'cut', '--resume'); _,err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
     a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('ref', 'cut'))
