@@ -63,7 +63,10 @@ class PooledStats:
     often the layer already ran in this micro-batch, never on the micro-batch's place in the window; the slots are
     copied into the window tensor after the backward (one copy a micro-batch). What torch.compile traces of the hooks is
     the same at every micro-batch, so it compiles no graph more than without them. `num_batches_tracked`, which the
-    layers then count per forward, is set back to one count a window."""
+    layers then count per forward, is set back to one count a window.
+
+    `over_ranks` (a `global_window` run, whose window is the same samples on any number of processes): the window is
+    pooled over every rank's micro-batches, one all-gather of each rank's pooled statistics a window."""
     def __init__(self, bns:list, momenta:list, cap:int=1, staged:bool=False, over_ranks:bool=False):
         self.bns,self.momenta,self.over_ranks = bns,momenta,over_ranks
         rm = bns[0].running_mean

@@ -108,6 +108,7 @@ class RankDraws(Callback):
     the epoch's start) draws on each rank, so the run is not the uninterrupted one: said once, then this leaves"""
     order,run_valid = 96,False
     def __init__(self, old:int, new:int): self.old,self.new,self.last = old,new,None
+    def before_fit(self): self.learn.remove_cb(self)   # (joined at the resumed fit's start, after its `before_fit`: one left by an interrupted fit leaves)
     def before_train(self): self.last = None
     def after_backward(self):
         if self.last is None or _same(self.last, rng_states()): return
