@@ -36,7 +36,7 @@ from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
                         restore_recorder, set_loader_orders, set_loader_rngs)
 from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
-from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state
+from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
 from .validate import whole_number
 _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
@@ -241,8 +241,8 @@ class Checkpoint(Callback):
                 **getattr(self, '_fit_args', {})}
 
     def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
-        learn = self.learn
-        model = unwrap(learn.model)
+        learn,model = self.learn,unwrap(self.learn.model)
+        whole = not writes_sharded(learn.model, is_elastic(self._ga()))   # (else the model goes to a DCP folder: `sharded_state`)
         params = [p for p in model.parameters()]
         rec = learn.recorder
         mets = [plain_numbers(m) for m in train_metrics(rec)]
@@ -250,8 +250,8 @@ class Checkpoint(Callback):
         feed = getattr(learn.dl, 'feed', None) if where == 'mid' else None
         return dict(
             where=where, world=process_count(), epoch=learn.epoch, k=self._k, iter_done=getattr(learn, 'iter', -1) + 1 if where == 'mid' else 0, signature=self.signature(), opt_steps=self._opt_steps,
-            model={k: local_tensor(v).clone() for k,v in model.state_dict().items()},
-            grads=[None if p.grad is None else local_tensor(p.grad).clone() for p in params],
+            model={k: local_tensor(v).clone() for k,v in model.state_dict().items()} if whole else {},
+            grads=[None if p.grad is None or not whole else local_tensor(p.grad).clone() for p in params],
             opt=learn.opt.state_dict() if learn.opt is not None else None,
             scaler=mp.scaler.state_dict() if mp is not None and getattr(mp, 'scaler', None) is not None else None,
             rngs=rng_states(), epoch_rngs=self._epoch_start if where == 'mid' else None,

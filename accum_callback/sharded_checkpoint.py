@@ -145,12 +145,13 @@ def load_sharded(ckpt_folder:Path, st:dict, model, opt)->dict:
     return st
 
 def strip_sharded(st:dict, manifest:dict)->dict:
-    "The rank file's state without what the DCP folder holds: the model, the optimizer's sharded states (the window is empty: no gradients)"
+    """The rank file's state (taken without the model and gradients: `Checkpoint._snapshot` leaves them out where this
+    folder holds them, and the window is empty) without the optimizer's sharded states, and naming the folder"""
     opt = st['opt']
     if opt is not None:
         drop = set(map(tuple, manifest['opt']))
         opt = dict(opt, state=[{k: v for k,v in s.items() if (i, k) not in drop} for i,s in enumerate(opt['state'])])
-    return dict(st, model={}, grads=[None]*len(st['grads']), opt=opt, sharded=manifest)
+    return dict(st, opt=opt, sharded=manifest)
 
 def remove_sharded(ckpt_folder:Path, name:str):
     "Rank 0 removes an old checkpoint's DCP folder"

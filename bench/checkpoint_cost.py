@@ -79,7 +79,8 @@ def _dcp_rank(rank, world, d, rounds):
     from accum_callback.sharded_checkpoint import load_sharded, save_sharded, strip_sharded
     d = Path(d)
     m,opt = _sharded_resnet(world)
-    def state(): return dict(model={k: local_tensor(v).clone() for k,v in m.state_dict().items()}, grads=[None]*len(list(m.parameters())), opt=opt.state_dict())
+    def state(whole=True):   # (as `Checkpoint` takes it: without the model where the DCP folder holds it)
+        return dict(model={k: local_tensor(v).clone() for k,v in m.state_dict().items()} if whole else {}, grads=[None]*len(list(m.parameters())), opt=opt.state_dict())
     def per_rank(r):
         f = d/f'pr{r}.rank{rank}.pt'
         dist.barrier(); t0 = time.perf_counter(); _write(f, state()); dist.barrier(); w = time.perf_counter()-t0
@@ -91,7 +92,7 @@ def _dcp_rank(rank, world, d, rounds):
     def sharded(r):
         f = d/f'dc{r}.rank{rank}.pt'
         dist.barrier(); t0 = time.perf_counter()
-        _write(f, strip_sharded(state(), save_sharded(d/f'dc{r}.dcp', m, opt))); dist.barrier(); w = time.perf_counter()-t0
+        _write(f, strip_sharded(state(whole=False), save_sharded(d/f'dc{r}.dcp', m, opt))); dist.barrier(); w = time.perf_counter()-t0
         t0 = time.perf_counter(); load_sharded(d, read_checkpoint(f), m, opt); dist.barrier()
         size = sum(x.stat().st_size for x in (d/f'dc{r}.dcp').iterdir()) + sum(x.stat().st_size for x in d.glob(f'dc{r}.rank*.pt'))
         return w,time.perf_counter()-t0,size
