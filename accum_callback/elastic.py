@@ -18,7 +18,7 @@ from .global_order import global_samples, rank_batches
 from .guard import RunningStatsPolicy
 from .precise import trained_bn_layers
 
-__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'say_what_differs', 'RankDraws']
+__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world', 'say_what_differs', 'RankDraws']
 
 def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.plan.global_window
 
@@ -71,12 +71,15 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
                               f"micro-batch(es) a rank), which cannot be cut again for {new}: launch {old} processes, or "
                               "resume from a checkpoint at a window's end (`every=`, epoch ends and signals save there)")
     window,bs = ga.plan.target_bs(),learn.dls.train.bs
-    j = st['k']//(window//(old*bs))   # windows done in the epoch
-    k = j*(window//(new*bs))
+    k = batches_in_world(st['k'], window, old, new, bs)
     n = global_samples(learn.dls.train)
     per_epoch = rank_batches(n, window, new, process_rank(), bs, ga.plan.partial != 'drop', bool(getattr(learn.dls.train, 'drop_last', False)))
     return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)
 
+def batches_in_world(k:int, window:int, old:int, new:int, bs:int)->int:
+    """A rank's loader batches of `bs` done in an epoch, `k` on `old` processes at a window's end, counted again on `new`
+    processes: the same windows done (`window` samples each, every rank its `window/world` share: `global_order`)"""
+    return k//(window//(old*bs))*(window//(new*bs))
 
 def _rank_shard(o, where='state')->str|None:
     "Where in `o` (a checkpoint's state) a rank's shard of a DTensor is (a callback's state), or None"

@@ -1,8 +1,15 @@
-"Fixtures shared by the test modules. None leaves anything behind: environment changes last one test (monkeypatch)."
+"""Fixtures shared by the test modules, and the two tiers (`tiers.py`). None leaves anything behind: environment changes
+last one test (monkeypatch).
+
+    python -m pytest          the everyday tier: every test that runs in this process (minutes, every test file)
+    python -m pytest --full   the full tier: those and every test that starts processes (gloo ranks, the job, torchrun,
+                              notebook kernels, bench scripts), marked `processes` here by what they use"""
 import contextlib, os
 from unittest import mock
 
 import pytest
+
+import tiers
 
 CACHE_ENV = 'ACCUM_CALLBACK_CACHE'   # = accum_finetune.pretrain.CACHE_ENV (not imported here: it loads torch)
 
@@ -59,3 +66,40 @@ def writes_nothing_into_the_checkout(tmp_path_factory):
     finally: os.chdir(cwd)
     new = sorted(_checkout_paths(root) - before)
     assert not new, f'the tests left these in the checkout: {new}'
+
+# -- the tiers ---------------------------------------------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption('--full', action='store_true', default=False,
+                     help='the full tier: also the tests that start processes (marked `processes` by what they use)')
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'processes: starts processes (gloo ranks, the job, torchrun, a notebook kernel, a '
+                            'bench script); set by conftest.py from what the test uses, run with --full')
+    tiers.ProcessWatch.install()
+    if os.environ.get('PYTEST_XDIST_WORKER'):   # pytest-xdist's workers share the cores: one torch thread each, not one a core each
+        import torch
+        torch.set_num_threads(1)
+
+def pytest_collection_modifyitems(config, items):
+    "Mark every test that starts processes; outside the full tier, leave them out (deselected, counted by pytest)"
+    keep,out = [],[]
+    for item in items:
+        fn = getattr(item, 'function', None)
+        found = tiers.item_starters(fn, item.fixturenames, item.module) if fn is not None else []
+        if found:
+            item.add_marker(pytest.mark.processes)
+            item.user_properties.append(('starts', ', '.join(found)))
+        (out if found and not config.getoption('full') else keep).append(item)
+    if out:
+        config.hook.pytest_deselected(items=out)
+        items[:] = keep
+
+@pytest.fixture(autouse=True)
+def _no_process_outside_the_full_tier(request):
+    """An everyday-tier test that starts a process after all (a way `tiers.py` cannot read: a helper loaded by path, a
+    method through `self`) fails, so that the everyday tier stays in this process"""
+    if request.node.get_closest_marker('processes') is not None: yield; return
+    with tiers.ProcessWatch() as w: yield
+    if w.started():
+        pytest.fail(f'{request.node.nodeid} starts a process ({w.started()}) that tests/tiers.py did not see: add the '
+                    'function that starts it to tiers.STARTERS, or call it where the reading follows', pytrace=False)

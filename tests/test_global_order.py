@@ -28,6 +28,44 @@ def test_window_share_gives_each_rank_its_part_of_each_window():
         whole = [window_share(idxs, 8, world, r) for r in range(world)]
         assert [i for s in whole for i in s[2*per:]] == idxs[16:] and max(map(len, whole)) - min(map(len, whole)) <= 1
 
+# -- in this process: the arithmetic the runs on several processes rest on ---------------------------------------------
+from hypothesis import given, settings, strategies as st
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 300), window=st.sampled_from([8, 12, 16, 24, 32]), world=st.integers(1, 4), bs=st.sampled_from([1, 2, 4]),
+       partial=st.sampled_from(['step', 'drop']), drop_last=st.booleans())
+def test_ranks_shares_are_the_one_process_order_window_by_window(n, window, world, bs, partial, drop_last):
+    """Where `share_problem` lets `world` ranks share the windows, the ranks' shares hold each window's samples of the
+    one-process order (whole windows: `window/world` each), no sample twice, and `rank_batches` counts each rank's batches"""
+    from accum_callback.global_order import rank_batches, share_problem
+    if share_problem(window, world, bs, n, partial, drop_last) is not None: return
+    idxs = list(range(n, 0, -1))
+    unit = bs if drop_last else 1
+    shares = [window_share(idxs, window, world, r, partial != 'drop', unit) for r in range(world)]
+    kept = idxs[:n//unit*unit]
+    whole = len(kept)//window*window
+    per = window//world
+    for j in range(whole//window):   # window j: the ranks' parts, rank by rank, are its samples in order
+        assert sum((s[j*per:(j+1)*per] for s in shares), []) == kept[j*window:(j+1)*window]
+    rest = sorted(i for s in shares for i in s[whole//window*per:])
+    assert rest == (sorted(kept[whole:]) if partial != 'drop' else [])
+    for r,s in enumerate(shares):
+        assert rank_batches(n, window, world, r, bs, partial != 'drop', drop_last) == -(-len(s)//bs)
+
+@settings(max_examples=200, deadline=None)
+@given(j=st.integers(0, 5), window=st.sampled_from([8, 16, 24, 48]), old=st.integers(1, 4), new=st.integers(1, 4), bs=st.sampled_from([1, 2, 4]))
+def test_a_place_at_a_windows_end_is_the_same_samples_on_another_number_of_processes(j, window, old, new, bs):
+    """`elastic.batches_in_world`: after `j` whole windows, the batches each rank of `old` had read and those each rank of
+    `new` reads up to the place counted again cover the same samples of the order, the first `j` windows"""
+    from accum_callback.elastic import batches_in_world
+    if window % (old*bs) or window % (new*bs): return
+    n = (j + 2)*window
+    idxs = list(range(n))
+    k_old = j*window//(old*bs)
+    k_new = batches_in_world(k_old, window, old, new, bs)
+    read = lambda world, k: sorted(i for r in range(world) for i in window_share(idxs, window, world, r)[:k*bs])
+    assert read(old, k_old) == read(new, k_new) == idxs[:j*window]
+
 def _global(per_rank):
     "Each step's window over all ranks, rank by rank"
     assert len({len(w) for w in per_rank}) == 1   # every rank steps as often

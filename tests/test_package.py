@@ -44,9 +44,8 @@ def test_the_learner_has_every_patch_whichever_name_comes_first(first):
 
 def test_a_fit_that_shards_nothing_does_not_load_fsdp():
     "`bench/fit_memory.py`'s fit, in a fresh process: torch's FSDP package and DTensor stay unloaded (44 MiB of peak memory)"
-    spec = importlib.util.spec_from_file_location('fit_memory', ROOT/'bench'/'fit_memory.py')
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-    now = mod.run('now')
+    import fit_memory   # (bench/ is on the tests' path: setup.cfg)
+    now = fit_memory.run('now')
     assert not now['fsdp'] and not now['dtensor']
 
 # -- torch outside its public API: only through accum_callback/compat.py -----------------------------------------------
