@@ -12,7 +12,7 @@ schedules' values; a user's) and fastai's trackers' (`EarlyStopping`, `SaveModel
 value and patience). Written atomically (`files.atomic_write`) with a
 CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
 from __future__ import annotations
-import os, re, signal, tempfile, threading, time, warnings
+import re, signal, threading, time, warnings
 from pathlib import Path
 
 import torch
@@ -34,9 +34,10 @@ from .micro.loader import ReadAhead, can_skip
 from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
-                        restore_recorder, set_loader_orders, set_loader_rngs)
+                        restore_recorder, set_loader_orders, set_loader_rngs, check_fit_state)
 from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
+from .files import remove_stale_parts, writable_folder
 from .validate import whole_number
 _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
@@ -92,17 +93,8 @@ class Checkpoint(Callback):
     def refuse_fit(self):
         "The folder is checked when the fit starts (`guard.refuse_at_fit_start`): a folder, and one this process can write in"
         if in_inference(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs): return
-        folder = self.folder
-        if folder.exists() and not folder.is_dir():
-            raise ValueError(f"Checkpoint: `path` {folder} is a file, not a folder: give a folder for the checkpoints "
-                             "(it is created if missing)")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd,probe = tempfile.mkstemp(dir=folder, prefix='.write-check.', suffix='.part')
-            os.close(fd); os.remove(probe)
-        except OSError as e:
-            raise ValueError(f"Checkpoint: cannot write in `path` {folder} ({type(e).__name__}: {e.strerror or e}): give "
-                             "a folder this process can write to") from None
+        writable_folder(self.folder, 'Checkpoint: `path`', 'the checkpoints')
+        remove_stale_parts(self.folder, 'ckpt-')   # what a killed write left (our names only, of processes no longer running)
         # every callback's state as a checkpoint can hold it (refused now, naming it, not at the first save)
         plain_state({k: get() for k,_,get,_ in callback_states(self.learn, self)}, "state['callbacks']")
 
@@ -276,29 +268,37 @@ class Checkpoint(Callback):
         if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
         if not ok: return
         self.saved.append(self.serial)
-        for s in self._serials()[:-self.keep]:
-            try: self.file(s, process_rank()).unlink()
-            except FileNotFoundError: pass
-            remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')
+        for s in self._serials()[:-self.keep]:   # (one that cannot be removed is said: the checkpoint is written, training goes on)
+            try: self.file(s, process_rank()).unlink(missing_ok=True); remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')
+            except OSError as e: warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(e).__name__}: {e}); training goes on", stacklevel=2)
 
     # -- resuming -------------------------------------------------------------------------------------------------
     def _newest(self):
-        "The newest checkpoint every rank can read whole (a cut or damaged one is passed over), or None"
+        """The newest checkpoint every rank can read whole and apply (checked whole: `fit_state.check_fit_state`), or
+        None; one that cannot be (cut, damaged, planted, malformed, another rank's file missing) is passed over, said"""
+        elastic = is_elastic(self._ga())
         for s in reversed(self._serials()):
-            try: st = read_whole(self.file(s, source_rank(self._ga())), self.folder); ok = 1.
-            except UnsafeCheckpoint as e:   # never read: said, and passed over like a damaged one
-                warnings.warn(f"Checkpoint: {e}", stacklevel=2); st,ok = None,0.
-            except (CheckpointError, OSError, RuntimeError, EOFError): st,ok = None,0.
+            f = self.file(s, source_rank(self._ga()))
+            try:
+                st = read_whole(f, self.folder)
+                check_fit_state(st, self.learn, self, f)
+                mine = st   # (a `global_window` run on as many processes: each rank resumes its own file, checked too)
+                if elastic and process_rank() and st['world'] == process_count():
+                    check_fit_state(mine := read_checkpoint(self.file(s, process_rank())), self.learn, self, self.file(s, process_rank()))
+                ok = 1.
+            except (CheckpointError, ValueError, OSError, RuntimeError, EOFError) as e:
+                warnings.warn(f"Checkpoint: passed over {f}, which cannot be resumed ({str(e)[:300]}); trying the one before", stacklevel=2)
+                st,mine,ok = None,None,0.
             if process_count() > 1: ok = reduce_floats([ok], dist.ReduceOp.MIN)[0]
-            if ok: return s,st
+            if ok: return s,st,mine
         return None
 
     def _resume(self):
         found = self._newest()
         if found is None: return
-        serial,st = found
+        serial,st,mine = found
         self.resumed_from = self.file(serial, source_rank(self._ga()))
-        if is_elastic(self._ga()): st,self.resumed_from = elastic_state(self, serial, st, self._ga())   # (rank 0's file, maybe of another number of processes)
+        if is_elastic(self._ga()): st,self.resumed_from = elastic_state(self, serial, st, self._ga(), mine)   # (rank 0's file, maybe of another number of processes)
         sig,now = st['signature'],self.signature()
         if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
             if sig['fit'] == now['fit']:

@@ -3,7 +3,7 @@ written as plain types (tensors, numbers, strings, bytes, lists, tuples, dicts),
 dicts made again from a fixed table on reading, and read with `torch.load(weights_only=True)`; the file carries a magic
 line, its length and a CRC-32 (against cuts and damage only: anyone can compute them) and is written atomically."""
 from __future__ import annotations
-import collections, enum, io, pickle, struct, zlib
+import collections, enum, io, math, pickle, struct, zlib
 from pathlib import Path
 
 import torch
@@ -86,23 +86,51 @@ def _fastai_tensor(name):
     c = getattr(sys.modules.get(mod), cls, None)   # (a module fastai has loaded: nothing is imported by name)
     return c if isinstance(c, type) and issubclass(c, TensorBase) else None
 
-def from_plain(o):
-    "What `plain_state` wrote, made again"
+_NUMERIC_KINDS = 'biufc'   # numpy dtypes a checkpoint may name: booleans and numbers (a 'U125000000' asked 400 MB of a 1.4 KB file)
+
+def _field(o:dict, key:str, kind, what:str):
+    "`o[key]` when it is a `kind`, else `CheckpointError` naming the tag"
+    v = o.get(key)
+    if not isinstance(v, kind): raise CheckpointError(f"a checkpoint's {what} holds a malformed {key!r} ({type(v).__name__})")
+    return v
+
+def _ndarray(o:dict):
     import numpy as np
+    try: dt = np.dtype(_field(o, 'dtype', str, 'array'))
+    except TypeError as e: raise CheckpointError(f"a checkpoint's array names an unknown dtype: {e}") from None
+    if dt.kind not in _NUMERIC_KINDS or dt.itemsize > 16:
+        raise CheckpointError(f"a checkpoint's array has dtype {dt.str!r}: only booleans and numbers are read")
+    shape,value = _field(o, 'shape', list, 'array'),_field(o, 'value', list, 'array')
+    if not all(type(n) is int and n >= 0 for n in shape) or math.prod(shape) != len(value):
+        raise CheckpointError(f"a checkpoint's array has shape {shape!r} for {len(value)} values")
+    if not all(type(v) in (bool, int, float, complex) for v in value):
+        raise CheckpointError("a checkpoint's array holds values other than numbers")
+    try: return np.array(value, dtype=dt).reshape(shape)
+    except (OverflowError, ValueError, TypeError) as e: raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}: {e}") from None
+
+def from_plain(o):
+    "What `plain_state` wrote, made again; `CheckpointError` for a tag that is malformed (nothing else is made)"
     from fastcore.foundation import L
     if isinstance(o, dict):
         tag = o.get(_TAG)
         if tag is None: return type(o)((k, from_plain(v)) for k,v in o.items())
-        if tag == 'ndarray': return np.array(o['value'], dtype=np.dtype(o['dtype'])).reshape(o['shape'])
-        if tag == 'L': return L([from_plain(v) for v in o['value']])
-        if tag == 'shard': return o['value'].as_subclass(_Shard)
+        if tag == 'ndarray': return _ndarray(o)
+        if tag == 'L': return L([from_plain(v) for v in _field(o, 'value', list, "'L'")])
+        if tag == 'shard': return _field(o, 'value', torch.Tensor, 'shard').as_subclass(_Shard)
         if tag == 'tensor':
             cls = _fastai_tensor(o.get('type'))
             if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
-            return o['value'].as_subclass(cls)
+            return _field(o, 'value', torch.Tensor, 'tensor').as_subclass(cls)
+        if tag not in ('enum', 'tuple'): raise CheckpointError(f"a checkpoint holds an unknown tag {tag!r}")
         cls = _OWN_TYPES.get(o.get('type'))
         if cls is None: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
-        return cls(o['value']) if tag == 'enum' else cls(*[from_plain(v) for v in o['value']])
+        if tag == 'enum':
+            try: return cls(o.get('value'))
+            except (ValueError, TypeError): raise CheckpointError(f"a checkpoint holds {o.get('value')!r}, which is no {cls.__name__}") from None
+        fields = _field(o, 'value', list, cls.__name__)
+        if not issubclass(cls, tuple) or len(fields) != len(cls._fields):
+            raise CheckpointError(f"a checkpoint's {cls.__name__} has {len(fields)} fields, not {len(getattr(cls, '_fields', ()))}")
+        return cls(*[from_plain(v) for v in fields])
     if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v) for v in o)
     return o
 
@@ -130,5 +158,9 @@ def read_checkpoint(path)->dict:
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
                                f"containers, which loading would run as code ({_unsupported(e)})") from None
-    return from_plain(st)
+    except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(st, dict): raise CheckpointError(f"{path}: holds a {type(st).__name__}, not the state of a fit")
+    try: return from_plain(st)
+    except CheckpointError as e: raise CheckpointError(f"{path}: {e}") from None
+    except RecursionError: raise CheckpointError(f"{path}: nested too deep") from None
 

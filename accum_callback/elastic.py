@@ -40,11 +40,11 @@ def source_rank(ga)->int:
     "Whose checkpoint files this rank looks for: rank 0's in a `global_window` run (it may have run on fewer ranks), else its own"
     return 0 if is_elastic(ga) else process_rank()
 
-def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
+def elastic_state(ckpt, serial:int, st:dict, ga, mine:dict|None=None)->tuple[dict,object]:
     """Rank 0's checkpoint `st` (number `serial` of `ckpt`, a `Checkpoint`; `ga` its `GradientAccumulation`) as this rank resumes it: saved on as many
     processes as run now, this rank's own file; on another number, rank 0's, its place in the epoch counted in this
     world's batches (the batch read ahead left out: it is another rank's now). Refused mid-window and under FSDP2.
-    Returns the state and the file it came from"""
+    `mine`: this rank's own file, read already. Returns the state and the file it came from"""
     learn = ckpt.learn
     old,new = st.get('world', 1),process_count()
     own = ckpt.file(serial, process_rank())
@@ -57,7 +57,7 @@ def elastic_state(ckpt, serial:int, st:dict, ga)->tuple[dict,object]:
                               f"{' under FSDP2' if fsdp else ''}: resume it on {old} process(es) under "
                               f"{'FSDP2' if legacy else 'DDP'}, or start afresh with Checkpoint(..., resume=False)")
     if old == new:
-        mine = st if process_rank() == 0 else read_checkpoint(own)
+        mine = st if process_rank() == 0 else mine if mine is not None else read_checkpoint(own)
         mine['signature'].pop('FSDP2', None)
         return mine,own
     ga_key = next(k for k,cb,_,_ in callback_states(learn, ckpt) if cb is ga)

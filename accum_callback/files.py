@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib, os, tempfile
 from pathlib import Path
 
-__all__ = ['atomic_write', 'replace_durably', 'fsync_dir']
+__all__ = ['atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts']
 
 def fsync_dir(folder):
     "Make a rename in `folder` durable (a no-op where folders cannot be opened, e.g. Windows)"
@@ -43,3 +43,33 @@ def atomic_write(path, mode:str='wb', perms:int|None=None):
     except BaseException:
         with contextlib.suppress(OSError): os.remove(tmp)
         raise
+
+def writable_folder(folder, what:str, holds:str):
+    "`ValueError` naming `what` unless `folder` is a folder (created if missing) this process can write in"
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what} {folder} is a file, not a folder: give a folder for {holds} (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd,probe = tempfile.mkstemp(dir=folder, prefix='.write-check.', suffix='.part')
+        os.close(fd); os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{what.split('`')[0]}cannot write in `{what.split('`')[1]}` {folder} ({type(e).__name__}: "
+                         f"{e.strerror or e}): give a folder this process can write to") from None
+
+def _running(pid:int)->bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except OSError: return True   # (another user's: running)
+    return True
+
+def remove_stale_parts(folder, prefix:str)->list:
+    """Remove what `atomic_write` left in `folder` for files named `prefix*` when its process died (`.<name>.<random>.<pid>.part`,
+    the process no longer running); nothing else. Returns the names removed"""
+    import re
+    out = []
+    for f in Path(folder).glob(f'.{prefix}*.part'):
+        m = re.fullmatch(rf'\.{re.escape(prefix)}.*\.(\d+)\.part', f.name)
+        if m and f.is_file() and not _running(int(m.group(1))):
+            with contextlib.suppress(OSError): f.unlink(); out.append(f.name)
+    return out

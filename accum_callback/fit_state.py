@@ -10,7 +10,9 @@ from fastai.torch_core import to_device
 from .fastai_compat import train_metrics
 from .micro import stateful_modules
 
-__all__ = ['callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'loader_orders',
+_RECORDER_KEYS = ('lrs', 'iters', 'losses', 'values')
+
+__all__ = ['check_fit_state', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'loader_orders',
            'set_loader_orders', 'restore_recorder', 'plain_numbers']
 
 def callback_states(learn, skip)->list:
@@ -26,7 +28,7 @@ def callback_states(learn, skip)->list:
             get,put = cb.state_dict,cb.load_state_dict
         elif isinstance(cb, TrackerCallback):
             get = lambda cb=cb: {k: getattr(cb, k) for k in ('best', 'wait', 'new_best') if hasattr(cb, k)}
-            put = lambda d, cb=cb: cb.__dict__.update(d)
+            put = lambda d, cb=cb: [setattr(cb, k, d[k]) for k in ('best', 'wait', 'new_best') if k in d]
         else: continue
         name = getattr(cb, 'name', type(cb).__name__)
         seen[name] = seen.get(name, 0) + 1
@@ -91,14 +93,21 @@ def load_carried_state(model, saved:dict):
         m = mods.get(name)
         if m is None: continue
         if 'declared' in d: m.load_carried_state(d['declared'])
-        else:
-            for k,v in d['attributes'].items(): setattr(m, k, to_device(v, dev))
-def restore_recorder(rec, saved:dict):
-    "The Recorder's history and running training metrics as `Checkpoint._snapshot` saved them"
+        else:   # (the attributes the module has, holding what a carried state holds: no other name a file gives)
+            for k,v in d['attributes'].items():
+                if not k.startswith('_') and hasattr(m, k) and _carried_value(v): setattr(m, k, to_device(v, dev))
+def _update_declared(obj, saved:dict):
+    "Set on `obj` the numbers of `saved` that it holds already (`plain_numbers`): no other attribute a file names"
+    have = plain_numbers(obj)
     for k,v in saved.items():
-        if k not in ('smooth', 'mets'): setattr(rec, k, v)
-    rec.smooth_loss.__dict__.update(saved['smooth'])
-    for m,d in zip(train_metrics(rec), saved['mets']): m.__dict__.update(d)
+        if k in have and isinstance(v, (int, float, bool, torch.Tensor, type(None))): setattr(obj, k, v)
+
+def restore_recorder(rec, saved:dict):
+    "The Recorder's history and running training metrics as `Checkpoint._snapshot` saved them (those attributes only)"
+    for k in _RECORDER_KEYS:
+        if k in saved: setattr(rec, k, saved[k])
+    _update_declared(rec.smooth_loss, saved['smooth'])
+    for m,d in zip(train_metrics(rec), saved['mets']): _update_declared(m, d)
 
 def plain_numbers(obj)->dict:
     "A metric's running totals (numbers and tensors; not the function it calls, which may hold the Learner)"
@@ -117,3 +126,82 @@ def fit_arguments(learn)->dict:
     scheds = {k: [num(f(p)) for p in (0., .25, .5, .75, 1.)] for cb in learn.cbs if isinstance(cb, ParamScheduler)
               for k,f in cb.scheds.items()}
     return {'hyper-parameters': hypers, 'schedule': scheds or None}
+
+# -- a checkpoint's state, checked whole before any of it is applied -------------------------------------------------------
+
+def check_fit_state(st, learn, skip, where:str='the checkpoint'):
+    """`ValueError` naming the first thing in `st` (a checkpoint's state, as `Checkpoint` saves it) that cannot be applied
+    to `learn` as it is: the place, the model's tensors and gradients (shapes), the optimizer's and the Recorder's
+    structure, the RNG states, and every callback's state (each tried with its `load_state_dict`, then its own state
+    put back). Nothing is changed: a file that fails here is passed over, not half applied"""
+    from .compat import local_tensor, rng_states, set_rng_states
+    from .distributed import unwrap
+    def need(ok, what):
+        if not ok: raise ValueError(f"{where}: {what}")
+    need(isinstance(st, dict), 'is not a dict')
+    need(st.get('where') in ('mid', 'end', 'done'), f"'where' is {st.get('where')!r}")
+    for k in ('world', 'epoch', 'k'): need(type(st.get(k)) is int and st[k] >= 0, f'{k!r} is {st.get(k)!r}')
+    need(isinstance(st.get('signature'), dict) and type(st['signature'].get('fit')) is int, 'its signature is malformed')
+    # (a tensor fits as this rank's shard or whole: a file of another layout is refused by the resume, naming it)
+    shape = lambda t: {tuple(local_tensor(t).shape), tuple(t.shape)}
+    model,sd = st.get('model'),unwrap(learn.model).state_dict()
+    need(isinstance(model, dict), "'model' is not a dict")
+    if st['signature'].get('model') != [(k, tuple(v.shape)) for k,v in sd.items()]: return   # (another model: the resume refuses it, naming it)
+    for k,v in model.items():
+        need(k in sd and isinstance(v, torch.Tensor) and shape(v) & shape(sd[k]), f'the model tensor {k!r} does not fit this model')
+    params,grads = list(unwrap(learn.model).parameters()),st.get('grads')
+    need(isinstance(grads, list) and len(grads) == len(params), "'grads' does not fit this model's parameters")
+    need(all(g is None or (isinstance(g, torch.Tensor) and shape(g) & shape(p)) for g,p in zip(grads, params)), 'a gradient does not fit its parameter')
+    if learn.opt is not None and st.get('opt') is not None: _check_opt(st['opt'], learn.opt, need, shape, bool(st.get('sharded')))
+    need(st.get('scaler') is None or isinstance(st['scaler'], dict), "'scaler' is not a dict")
+    rec = st.get('recorder')
+    need(isinstance(rec, dict) and set(rec) <= {*_RECORDER_KEYS, 'smooth', 'mets'} and isinstance(rec.get('smooth'), dict)
+         and isinstance(rec.get('mets'), list) and all(isinstance(m, dict) for m in rec['mets']), "'recorder' is malformed")
+    need(all(isinstance(rec.get(k, []), list) for k in _RECORDER_KEYS), "'recorder' is malformed")
+    need(all(type(st.get(k, 0)) in (int, float) for k in ('pct_train', 'train_iter', 'opt_steps', 'iter_done')), 'a place number is malformed')
+    need(st.get('ahead_device') is None or isinstance(st['ahead_device'], (torch.device, str)), "'ahead_device' is malformed")
+    inner = learn.dls.train.__dict__.get('dl', learn.dls.train)
+    for k,get,put in (('loader_rngs', loader_rngs, set_loader_rngs), ('loader_orders', loader_orders, set_loader_orders)):
+        need(st.get(k) is None or isinstance(st[k], list), f'{k!r} is not a list')
+        if k == 'loader_orders' and st.get(k) is not None:
+            need(all(o is None or (isinstance(o, list) and all(type(i) is int for i in o)) for o in st[k]), f'{k!r} is malformed')
+            need(all(o is None or n is None or len(o) == len(n) for o,n in zip(reversed(st[k]), reversed(get(inner)))), f'{k!r} does not fit the loader')
+        own = get(inner)   # (tried, then put back)
+        try: put(inner, st.get(k))
+        except Exception as e: raise ValueError(f"{where}: {k!r} cannot be applied to the training loader ({type(e).__name__})") from None
+        finally: put(inner, own)
+    saved = rng_states()
+    for k in ('rngs', 'epoch_rngs'):   # (tried, then put back)
+        if st.get(k) is None and k == 'epoch_rngs': continue
+        try: set_rng_states(st.get(k))
+        except Exception as e: raise ValueError(f"{where}: {k!r} is not the RNGs' state ({type(e).__name__})") from None
+        finally: set_rng_states(saved)
+    need(st.get('carried') is None or (isinstance(st['carried'], dict) and all(isinstance(d, dict) and (
+         isinstance(d.get('attributes'), dict) or 'declared' in d) for d in st['carried'].values())), "'carried' is malformed")
+    cbs = st.get('callbacks')
+    need(isinstance(cbs, dict), "'callbacks' is not a dict")
+    for k,cb,get,put in callback_states(learn, skip):
+        if k not in cbs: continue
+        own,attrs = get(),dict(vars(cb))
+        try: put(cbs[k])
+        except Exception as e: raise ValueError(f"{where}: the state of {k} cannot be applied ({type(e).__name__}: {str(e)[:120]})") from None
+        finally:   # its own state again: by its protocol, and its attributes as they were (a flag `load_state_dict` sets)
+            put(own)
+            for a in set(vars(cb)) - set(attrs): delattr(cb, a)
+            vars(cb).update(attrs)
+
+def _check_opt(saved, opt, need, shape, sharded:bool):
+    "A fastai optimizer's state as `Optimizer.state_dict` writes it, for `opt`'s parameters and hyper-parameters"
+    need(isinstance(saved, dict) and set(saved) == {'state', 'hypers'}, "'opt' is not a fastai optimizer's state")
+    params = [p for p,*_ in opt.all_params(with_grad=False)]
+    from fastcore.foundation import L
+    hypers,state = list(saved['hypers']) if isinstance(saved['hypers'], (list, tuple, L)) else None,saved['state']
+    need(hypers is not None and len(hypers) == len(opt.hypers) and all(
+         isinstance(h, dict) and set(h) == set(n) and all(type(v) in (int, float) for v in h.values()) for h,n in zip(hypers, opt.hypers)),
+         "the optimizer's hyper-parameters do not fit its parameter groups")
+    need(isinstance(state, (list, tuple)) and len(state) == len(params) and all(isinstance(d, dict) for d in state),
+         "the optimizer's state does not fit its parameters")
+    for d,p in zip(state, params):
+        for k,v in d.items():
+            ok = v is None or type(v) in (bool, int, float) or (isinstance(v, torch.Tensor) and (sharded or v.ndim == 0 or shape(v) & shape(p)))
+            need(ok, f"the optimizer's state {k!r} does not fit its parameter")

@@ -89,4 +89,10 @@ class WindowPlan:
         return window.hypers if g == 1. else [{**h, 'lr': h['lr']*g} if 'lr' in h else h for h in window.hypers]
 
     def state_dict(self)->dict: return dict(clock=dict(vars(self.clock)), decided=self.decided)
-    def load_state_dict(self, sd:dict): self.clock.__dict__.update(sd['clock']); self.decided = sd['decided']
+    def load_state_dict(self, sd:dict):
+        "`ValueError` for a clock or a place that is not this plan's (its fields and their kinds), nothing set then"
+        clock,now = sd['clock'],vars(self.clock)
+        if (not isinstance(clock, dict) or set(clock) != set(now) or type(sd['decided']) is not int
+                or not all(v is None or type(v) in (int, float) for v in clock.values())):
+            raise ValueError(f"a window plan's state {sd!r:.120}: not a plan this package wrote")
+        self.clock.__dict__.update(clock); self.decided = sd['decided']

@@ -43,6 +43,8 @@ def read_dcp_metadata(path)->object:
     except UnsafeCheckpoint as e: raise UnsafeCheckpoint(f"{path}: {e}") from None
     except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {e})") from None
     if type(md) is not Metadata: raise UnsafeCheckpoint(f"{path}: refused: it holds a {type(md).__name__}, not DCP's metadata")
+    if not isinstance(getattr(md, 'state_dict_metadata', None), dict):
+        raise CheckpointError(f"{path}: damaged (its state_dict_metadata is a {type(getattr(md, 'state_dict_metadata', None)).__name__}, not a dict)")
     other = [k for k,v in md.state_dict_metadata.items() if type(v) is not TensorStorageMetadata]
     if other: raise UnsafeCheckpoint(f"{path}: refused: it declares {other[0]!r} as other than a tensor (DCP would unpickle it, running code)")
     return md

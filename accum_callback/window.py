@@ -48,6 +48,14 @@ class StepRecord(NamedTuple):
     loss: float
     micro: int
 
+_NUM = (int, float, torch.Tensor)
+_NONE = type(None)
+
+def _fits(v, kinds)->bool:
+    "Is `v` of one of `kinds` (a whole number not a bool, and not negative, where `int` alone is asked)?"
+    if kinds is int: return type(v) is int and v >= 0
+    return isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+
 class Window:
     """The accumulation window in progress (`learn.gradient_accumulation.window`) and the accumulation rule.
 
@@ -68,6 +76,9 @@ class Window:
         "The window in progress, for a checkpoint between micro-batches (not its open no-sync context or swapped hyper-parameters)"
         return {k: getattr(self, k) for k in self.__slots__ if k not in ('no_sync', 'hypers_now')}
     def load_state_dict(self, sd:dict):
+        "`ValueError` naming the first field that is missing, unknown or not of its type (nothing is set then)"
+        bad = next((k for k in sorted(set(sd) | set(_FIELDS)) if k not in _FIELDS or k not in sd or not _fits(sd[k], _FIELDS[k])), None)
+        if bad is not None: raise ValueError(f"a window's state holds {bad!r} = {sd.get(bad)!r:.80}: not a window this package wrote")
         for k,v in sd.items(): setattr(self, k, v)
 
     def reset(self):
@@ -159,3 +170,8 @@ class Window:
 
     def __repr__(self): return (f"Window(n_micro={self.n_micro}, n_samples={self.n_samples}, items={self.items}, "
                                 f"target={self.target}, action={self.action!r}, phase={self.phase.name})")
+
+# a window's state (`Window.state_dict`), field by field: what `load_state_dict` accepts
+_FIELDS = dict(n_micro=int, n_samples=int, n_units=int, items=_NUM, loss_sum=_NUM, ref=(_NONE, *_NUM), hypers=(_NONE, list),
+               target=(_NONE, int, float), unit_action=(_NONE, str), summed=(bool,), bs=(_NONE, int), action=(_NONE, str),
+               phase=(Phase,), n=(_NONE, *_NUM), pending=(_NONE, *_NUM), record=(_NONE, StepRecord))

@@ -31,7 +31,8 @@ class WindowLog:
 
     def logs_state(self)->dict: return {k: getattr(self, k) for k in LOGS}
     def load_logs(self, sd:dict):
-        for k,v in sd.items(): setattr(self, k, v)
+        for k in LOGS:   # (the logs' names only: no other attribute a file names)
+            if k in sd: setattr(self, k, sd[k])
 
     def plot_windows(self, ax=None):
         """Plot each optimizer step's item-weighted window loss against optimizer steps; returns the axes (a notebook

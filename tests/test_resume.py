@@ -288,14 +288,14 @@ def test_another_learning_rate_after_a_kill_is_refused(tmp_path):
 
 # -- write faults (issue 51) ----------------------------------------------------------------------------------------------
 def test_a_path_that_is_a_file_or_unwritable_is_refused_when_the_fit_starts(tmp_path, monkeypatch):
-    import accum_callback.checkpoint as C
+    import accum_callback.files as F
     (tmp_path/'afile').write_text('x')
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'afile', minutes=10)])
     w = [p.detach().clone() for p in learn.model.parameters()]
     with learn.no_logging(), pytest.raises(ValueError, match=r"Checkpoint: `path` .*afile is a file, not a folder"): learn.fit(1)
     assert all(torch.equal(a, b) for a,b in zip(w, learn.model.parameters()))   # nothing trained
     def denied(*a, **k): raise PermissionError(13, 'Permission denied')
-    monkeypatch.setattr(C.tempfile, 'mkstemp', denied)   # (the tests run as root, for whom chmod denies nothing)
+    monkeypatch.setattr(F.tempfile, 'mkstemp', denied)   # (the tests run as root, for whom chmod denies nothing)
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ro', minutes=10)])
     with learn.no_logging(), pytest.raises(ValueError, match=r"cannot write in `path` .*ro \(PermissionError"): learn.fit(1)
 

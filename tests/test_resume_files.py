@@ -1,0 +1,226 @@
+"""A checkpoint the package cannot apply (issue 61, items 3-5 and 9): well framed (magic, length, CRC-32 all valid) but
+malformed inside, of another structure, asking for a huge array, or left half-written by a kill. Each is passed over with
+one warning and the newest good one resumed, the same run as if the bad file had never been there; never a traceback,
+never code run, never a large allocation; an old checkpoint that cannot be removed is a warning, not the end of training."""
+import io, struct, warnings, zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from accum_callback import Checkpoint, GradientAccumulation
+from accum_callback.checkpoint_format import _MAGIC, CheckpointError, read_checkpoint
+from helpers import make_data, make_learner
+from test_resume import Boom, RaiseAt
+
+def _data(): return make_data(40, seed=4)
+
+def _interrupted(folder:Path):
+    "Two checkpoints of a fit cut at its 7th batch (`batches=2`, `keep=2`)"
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(folder, batches=2), RaiseAt(7)])
+    with learn.no_bar(), learn.no_logging(), pytest.raises(Boom): learn.fit(2)
+    files = sorted(folder.glob('ckpt-*.rank0.pt'))
+    assert len(files) == 2
+    return files
+
+def _plain(f:Path):
+    "A checkpoint file's contents as written (the plain structure, tags and all), read without running code"
+    raw = f.read_bytes()
+    return torch.load(io.BytesIO(raw[len(_MAGIC) + 12:]), weights_only=True)
+
+def _frame(f:Path, obj):
+    "Write `obj` as a well-framed checkpoint: magic, CRC-32 and length all valid, whatever it holds"
+    buf = io.BytesIO(); torch.save(obj, buf); data = buf.getvalue()
+    f.write_bytes(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data)) + data)
+
+def _resume(folder:Path):
+    "Run the fit again with a Checkpoint on `folder`: (its Checkpoint, the final weights, the warnings said)"
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(folder)])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    return cb,[p.detach().clone() for p in learn.model.parameters()],[str(w.message) for w in said if 'Checkpoint' in str(w.message)]
+
+@pytest.fixture(scope='module')
+def from_the_older(tmp_path_factory):
+    "The weights a resume from the older of the two checkpoints gives (the newest removed): what passing over must give"
+    folder = tmp_path_factory.mktemp('older')
+    files = _interrupted(folder)
+    files[-1].unlink()
+    cb,w,_ = _resume(folder)
+    assert cb.resumed_from == files[0]
+    return w
+
+TAG = '__accum_callback__'
+def _tag_in(o, kind:str):
+    "The path (keys) to the first tagged dict of `kind` in the plain structure `o`"
+    if isinstance(o, dict):
+        if o.get(TAG) == kind: return []
+        items = o.items()
+    elif isinstance(o, (list, tuple)): items = enumerate(o)
+    else: return None
+    for k,v in items:
+        p = _tag_in(v, kind)
+        if p is not None: return [k, *p]
+    return None
+
+def _at(o, path):
+    for k in path: o = o[k]
+    return o
+
+# each: (the tag it damages, how), as issue 61 found them
+MALFORMED = {
+    'enum value that does not exist': ('enum', lambda d: d.update(value='no such phase')),
+    "'tensor' tag holding no tensor": ('ndarray', lambda d: d.update({TAG: 'tensor', 'type': 'fastai.torch_core.TensorBase', 'value': [1, 2]})),
+    'ndarray without a shape': ('ndarray', lambda d: d.pop('shape')),
+    'ndarray of the wrong shape': ('ndarray', lambda d: d.update(shape=[3, 5])),
+    'ndarray of an unknown dtype': ('ndarray', lambda d: d.update(dtype='float1024')),
+    'ndarray of a 500 MB string dtype': ('ndarray', lambda d: d.update(dtype='U125000000', shape=[1], value=[0])),
+    'ndarray of objects': ('ndarray', lambda d: d.update(dtype='O')),
+    'record with a missing field': ('tuple', lambda d: d['value'].pop()),
+    "'L' tag that is not a list": ('ndarray', lambda d: d.update({TAG: 'L', 'value': 7})),
+    'unknown tag': ('ndarray', lambda d: d.update({TAG: 'pickle'})),
+}
+
+@pytest.mark.parametrize('case', list(MALFORMED))
+def test_a_well_framed_but_malformed_newest_is_passed_over_with_one_warning(tmp_path, case, from_the_older):
+    files = _interrupted(tmp_path/'ck')
+    kind,damage = MALFORMED[case]
+    st = _plain(files[-1])
+    path = _tag_in(st, kind)
+    assert path is not None, f'no {kind} tag in the checkpoint'
+    damage(_at(st, path))
+    _frame(files[-1], st)
+    with pytest.raises(CheckpointError): read_checkpoint(files[-1])   # (read alone: refused, naming it)
+    cb,w,said = _resume(tmp_path/'ck')
+    assert cb.resumed_from == files[0]
+    assert all(torch.equal(a, b) for a,b in zip(w, from_the_older)), 'not the run the older checkpoint gives'
+    assert len([s for s in said if 'passed over' in s]) == 1, said
+
+STRUCTURES = {
+    'a list at the top': lambda st: [st],
+    'no signature': lambda st: {k: v for k,v in st.items() if k != 'signature'},
+    'no model': lambda st: {k: v for k,v in st.items() if k != 'model'},
+    "'where' unknown": lambda st: {**st, 'where': 'elsewhere'},
+    'a gradient of another shape': lambda st: {**st, 'grads': [torch.zeros(3) for _ in st['grads']]},
+    'a model tensor of another shape': lambda st: {**st, 'model': {k: torch.zeros(1) for k in st['model']}},
+    'the RNGs malformed': lambda st: {**st, 'rngs': [1, 2]},
+    "a callback's state malformed": lambda st: {**st, 'callbacks': {k: {'window': 3} for k in st['callbacks']}},
+    'the Recorder malformed': lambda st: {**st, 'recorder': {'smooth': 1}},
+    'a key the Recorder does not declare': lambda st: {**st, 'recorder': {**st['recorder'], 'after_batch': torch.zeros(1)}},
+}
+
+@pytest.mark.parametrize('case', list(STRUCTURES))
+def test_a_newest_of_another_structure_is_passed_over(tmp_path, case, from_the_older):
+    files = _interrupted(tmp_path/'ck')
+    _frame(files[-1], STRUCTURES[case](_plain(files[-1])))
+    cb,w,said = _resume(tmp_path/'ck')
+    assert cb.resumed_from == files[0] and all(torch.equal(a, b) for a,b in zip(w, from_the_older))
+    assert len([s for s in said if 'passed over' in s]) == 1, said
+
+def test_a_restore_sets_only_the_attributes_each_piece_declares(tmp_path):
+    """Names a file plants inside a piece's state (the smoothed loss's `accumulate`, a window log's `learn`) are not set:
+    the newest is resumed, and the Learner works as before (a planted `Recorder.after_batch` once stopped the resumed fit
+    recording losses: a Recorder state with a key it does not declare is passed over whole, `STRUCTURES` above)"""
+    files = _interrupted(tmp_path/'ck')
+    st = _plain(files[-1])
+    st['recorder']['smooth']['accumulate'] = 1
+    ga = next(k for k in st['callbacks'] if 'gradient' in k)
+    st['callbacks'][ga]['logs']['learn'] = 5
+    _frame(files[-1], st)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck')])
+    with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    assert cb.resumed_from == files[-1]
+    assert callable(learn.recorder.smooth_loss.accumulate)
+    assert learn.gradient_accumulation.learn is learn and len(learn.recorder.losses) == 20
+
+# -- fuzz: the plain structure and the bytes ---------------------------------------------------------------------------
+def _nodes(o, path=()):
+    "Every place in the plain structure: (path, value)"
+    yield path, o
+    items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, (list, tuple)) else ()
+    for k,v in items: yield from _nodes(v, (*path, k))
+
+def _replace(o, path, new):
+    if not path: return new
+    k,rest = path[0],path[1:]
+    if isinstance(o, dict): return {**o, k: _replace(o[k], rest, new)}
+    out = list(o); out[k] = _replace(o[k], rest, new)
+    return type(o)(out)
+
+VALUES = st.one_of(st.none(), st.integers(-2**40, 2**40), st.floats(allow_nan=True), st.text(max_size=8), st.booleans(),
+                   st.lists(st.integers(0, 3), max_size=3), st.just({TAG: 'ndarray', 'dtype': 'U99999999', 'shape': [1], 'value': [1]}),
+                   st.just({TAG: 'enum'}), st.just({}), st.builds(torch.zeros, st.integers(0, 3)))
+
+@pytest.fixture(scope='module')
+def fuzz_base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp('fuzz')
+    files = _interrupted(folder/'ck')
+    return folder,[f.read_bytes() for f in files],_plain(files[-1])
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_newest_is_resumed_or_passed_over_never_a_traceback(fuzz_base, data, tmp_path_factory):
+    """Any value anywhere in the newest checkpoint's structure: resumed from it, passed over to the older (one warning),
+    or, where the value lands in the signature (what the fit must share with the checkpoint's), one refusal naming it"""
+    folder,raws,plain = fuzz_base
+    ck = tmp_path_factory.mktemp('case')/'ck'; ck.mkdir()
+    names = ['ckpt-000001.rank0.pt', 'ckpt-000002.rank0.pt']
+    for n,raw in zip(names, raws): (ck/n).write_bytes(raw)
+    nodes = list(_nodes(plain))
+    path,_ = data.draw(st.sampled_from(nodes[1:]), label='where')
+    _frame(ck/names[-1], _replace(plain, path, data.draw(VALUES, label='value')))
+    try: cb,_,said = _resume(ck)
+    except CheckpointError as e:
+        assert path[0] == 'signature' and 'ckpt-000002' in str(e) and ('cannot resume' in str(e) or 'other shapes' in str(e)), (path, e)
+        return
+    assert cb.resumed_from in (ck/names[0], ck/names[1])
+    assert len([s for s in said if 'passed over' in s]) == (cb.resumed_from == ck/names[0]), said
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_bytes_under_a_valid_crc_never_a_traceback(fuzz_base, data, tmp_path_factory):
+    "Bytes changed under a CRC made again: resumed, passed over, or (the signature changed) one refusal naming the file"
+    folder,raws,_ = fuzz_base
+    ck = tmp_path_factory.mktemp('case')/'ck'; ck.mkdir()
+    (ck/'ckpt-000001.rank0.pt').write_bytes(raws[0])
+    body = bytearray(raws[1][len(_MAGIC) + 12:])
+    for _ in range(data.draw(st.integers(1, 8))):
+        body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    (ck/'ckpt-000002.rank0.pt').write_bytes(_MAGIC + struct.pack('<IQ', zlib.crc32(bytes(body)), len(body)) + bytes(body))
+    try: cb,_,_ = _resume(ck)
+    except CheckpointError as e:   # bytes that rewrote the signature: a checkpoint of another fit, refused naming it
+        assert 'ckpt-000002' in str(e) and ('cannot resume' in str(e) or 'other shapes' in str(e)), e
+        return
+    assert cb.resumed_from in (ck/'ckpt-000001.rank0.pt', ck/'ckpt-000002.rank0.pt')
+
+# -- the folder: cleanup that fails, leftovers of kills -----------------------------------------------------------------
+def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning_and_training_goes_on(tmp_path, monkeypatch):
+    real = Path.unlink
+    def stuck(self, *a, **k):
+        if self.name.startswith('ckpt-'): raise PermissionError(1, 'Operation not permitted', str(self))
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, 'unlink', stuck)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', batches=2)])
+    with pytest.warns(UserWarning, match='could not remove the old checkpoint.*PermissionError.*training goes on'):
+        with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    assert learn.gradient_accumulation.steps == 10 and len(cb.saved) > 2
+
+def test_what_a_killed_write_left_is_removed_at_fit_start_and_nothing_else(tmp_path):
+    import os
+    ck = tmp_path/'ck'; ck.mkdir()
+    dead = ck/'.ckpt-000003.rank0.pt.x1y2.999999999.part'   # (no such process)
+    alive = ck/f'.ckpt-000003.rank1.pt.a1b2.{os.getpid()}.part'   # another writer, still running
+    other = ck/'.notes.999999999.part'
+    for f in (dead, alive, other): f.write_bytes(b'x')
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(ck)])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert not dead.exists() and alive.exists() and other.exists()
+
+def test_dcp_metadata_of_the_wrong_structure_is_a_checkpoint_error(tmp_path):
+    import pickle
+    from torch.distributed.checkpoint.metadata import Metadata
+    from accum_callback.sharded_checkpoint import read_dcp_metadata
+    (tmp_path/'.metadata').write_bytes(pickle.dumps(Metadata(state_dict_metadata=[])))
+    with pytest.raises(CheckpointError, match='state_dict_metadata is a list'): read_dcp_metadata(tmp_path/'.metadata')
