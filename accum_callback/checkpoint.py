@@ -34,10 +34,10 @@ from .micro.loader import ReadAhead, can_skip
 from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
-                        restore_recorder, set_loader_orders, set_loader_rngs, check_fit_state)
+                        restore_recorder, set_loader_orders, set_loader_rngs, check_fit_state, fit_signature)
 from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
-from .files import remove_stale_parts, writable_folder
+from .files import keep_copy, remove_stale_parts, writable_folder
 from .validate import whole_number
 _write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
 
@@ -198,10 +198,8 @@ class Checkpoint(Callback):
 
     def _ga(self): return next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
 
-    def _steps(self)->int:
-        "Optimizer steps of this fit: the window's count, or without accumulation the steps no callback cancelled"
-        ga = self._ga()
-        return ga.steps if ga is not None else self._opt_steps
+    def _steps(self)->int:   # optimizer steps of this fit: the window's count, or without accumulation those no callback cancelled
+        return ga.steps if (ga := self._ga()) is not None else self._opt_steps
     def after_cancel_step(self): self._step_cancelled = True
     def after_step(self):
         if not getattr(self, '_step_cancelled', False): self._opt_steps = getattr(self, '_opt_steps', 0) + 1
@@ -223,14 +221,7 @@ class Checkpoint(Callback):
     # -- saving ---------------------------------------------------------------------------------------------------
     def signature(self)->dict:
         "What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs)"
-        learn,ga = self.learn,self._ga()
-        mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
-        bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
-        return {'fit': self.n_fit, 'n_epoch': learn.n_epoch, **loader_signature(learn, ga),
-                'window': repr(ga.plan.sched) + f", partial={ga.plan.partial!r}" if ga is not None else None,
-                'micro_bs': (mb.mode if mb is not None else None), 'BatchNorm mode': bna.mode if bna is not None else None,
-                'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()],
-                **getattr(self, '_fit_args', {})}
+        return fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga()))
 
     def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
         learn,model = self.learn,unwrap(self.learn.model)
@@ -267,18 +258,22 @@ class Checkpoint(Callback):
                           f"checkpoint is {last or 'none yet'}, the next one due tries again", stacklevel=2)
         if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
         if not ok: return
+        if where == 'done' and not writes_sharded(self.learn.model, is_elastic(self._ga())):   # this fit's end, kept for a re-run
+            if (e := keep_copy(f, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt')) is not None:
+                warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({e}): a re-run of it will not be restored", stacklevel=2)
         self.saved.append(self.serial)
         for s in self._serials()[:-self.keep]:   # (one that cannot be removed is said: the checkpoint is written, training goes on)
             try: self.file(s, process_rank()).unlink(missing_ok=True); remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')
             except OSError as e: warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(e).__name__}: {e}); training goes on", stacklevel=2)
 
     # -- resuming -------------------------------------------------------------------------------------------------
-    def _newest(self):
+    def _newest(self, records:list|None=None):
         """The newest checkpoint every rank can read whole and apply (checked whole: `fit_state.check_fit_state`), or
-        None; one that cannot be (cut, damaged, planted, malformed, another rank's file missing) is passed over, said"""
-        elastic = is_elastic(self._ga())
-        for s in reversed(self._serials()):
-            f = self.file(s, source_rank(self._ga()))
+        None; one that cannot be (cut, damaged, planted, malformed, another rank's file missing) is passed over, said.
+        `records`: the files of a finished fit's end instead (the first that exists), `(file, state, state)` or None"""
+        elastic = is_elastic(self._ga()) and records is None
+        for s in ([f for f in records if f.is_file()][:1] if records else reversed(self._serials())):
+            f = s if records else self.file(s, source_rank(self._ga()))
             try:
                 st = read_whole(f, self.folder)
                 check_fit_state(st, self.learn, self, f)
@@ -301,12 +296,17 @@ class Checkpoint(Callback):
         if is_elastic(self._ga()): st,self.resumed_from = elastic_state(self, serial, st, self._ga(), mine)   # (rank 0's file, maybe of another number of processes)
         sig,now = st['signature'],self.signature()
         if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
-            if sig['fit'] == now['fit']:
+            if sig['fit'] > now['fit']:   # a later fit's: this one's end as kept (`fit-<n>`), checked whole
+                found = self._newest([self.folder/f'fit-{now["fit"]:06d}.rank{r}.pt' for r in (process_rank(), 0)])
+                sig,st,self.resumed_from = (found[1]['signature'],found[1],found[0]) if found else (now,None,None)
+            if st is not None:
                 self._refuse_changes(sig, now)   # (a finished fit rerun with other arguments: refused, not returned)
                 self._load(st)
             self._skip_epochs(self.learn.n_epoch)
-            warnings.warn(f"Checkpoint: this fit finished before ({self.resumed_from}): nothing is trained, the model is "
-                          "as it ended; Checkpoint(resume=False) or another `path` trains it again", stacklevel=2)
+            warnings.warn(f"Checkpoint: this fit finished before ({self.resumed_from}): nothing is trained, the model is as it ended; "
+                          "Checkpoint(resume=False) or another `path` trains it again" if st is not None else "Checkpoint: this fit "
+                          "finished before a later fit's checkpoint, and no record of its end is kept: nothing is trained and the model "
+                          "is NOT as it ended; Checkpoint(resume=False) or another `path` trains it again", stacklevel=2)
             return
         if sig['fit'] < now['fit']: return   # (an earlier fit's: this one starts afresh)
         self._refuse_changes(sig, now)
@@ -322,7 +322,7 @@ class Checkpoint(Callback):
         if 'model' in changed:
             raise CheckpointError(f"Checkpoint: {self.resumed_from} is of a model of other shapes; start afresh with "
                                   "Checkpoint(..., resume=False) or another `path`")
-        what = '; '.join(f"{k}: {old[k]!r} then, {new[k]!r} now" for k in changed)
+        what = '; '.join(f"{k}: {old[k]!r} then, {new.get(k)!r} now" for k in changed)
         if self.strict:
             raise CheckpointError(f"Checkpoint: cannot resume {self.resumed_from} exactly, {what}. Run the fit as it was, "
                                   "start afresh with Checkpoint(..., resume=False), or accept it with strict=False")

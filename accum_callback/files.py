@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib, os, tempfile
 from pathlib import Path
 
-__all__ = ['atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts']
+__all__ = ['atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
 
 def fsync_dir(folder):
     "Make a rename in `folder` durable (a no-op where folders cannot be opened, e.g. Windows)"
@@ -73,3 +73,19 @@ def remove_stale_parts(folder, prefix:str)->list:
         if m and f.is_file() and not _running(int(m.group(1))):
             with contextlib.suppress(OSError): f.unlink(); out.append(f.name)
     return out
+
+def keep_copy(src, dest)->OSError|None:
+    """`dest` made a durable copy of the whole file `src` (a hard link where the folder allows: no second copy on disk),
+    replacing an older `dest` atomically; the error where it cannot be (nothing is left half-written), else None"""
+    import shutil
+    src,dest = Path(src),Path(dest)
+    tmp = dest.with_name(f'.{dest.name}.{os.getpid()}.part')
+    try:
+        with contextlib.suppress(FileNotFoundError): tmp.unlink()
+        try: os.link(src, tmp)
+        except OSError: shutil.copyfile(src, tmp)
+        replace_durably(tmp, dest)
+    except OSError as e:
+        with contextlib.suppress(OSError): tmp.unlink()
+        return e
+    return None

@@ -12,7 +12,7 @@ from .micro import stateful_modules
 
 _RECORDER_KEYS = ('lrs', 'iters', 'losses', 'values')
 
-__all__ = ['check_fit_state', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'loader_orders',
+__all__ = ['check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'loader_orders',
            'set_loader_orders', 'restore_recorder', 'plain_numbers']
 
 def callback_states(learn, skip)->list:
@@ -205,3 +205,39 @@ def _check_opt(saved, opt, need, shape, sharded:bool):
         for k,v in d.items():
             ok = v is None or type(v) in (bool, int, float) or (isinstance(v, torch.Tensor) and (sharded or v.ndim == 0 or shape(v) & shape(p)))
             need(ok, f"the optimizer's state {k!r} does not fit its parameter")
+
+# -- what a resumed fit must share with the checkpoint's ------------------------------------------------------------------
+def fit_signature(learn, ga, n_fit:int, fit_args:dict, loader:dict)->dict:
+    """What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs): the
+    fit's number in the session, its epochs, the processes and the loader (`loader`: `elastic.loader_signature`'s), the
+    data, the window, the callbacks' modes, the model's shapes, the fit's arguments"""
+    from .batchnorm import BatchNormAccumulation
+    from .distributed import unwrap
+    from .micro import MicroBatching
+    mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
+    bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
+    return {'fit': n_fit, 'n_epoch': learn.n_epoch, **loader, 'data': data_identity(learn.dls.train),
+            'window': repr(ga.plan.sched) + f", partial={ga.plan.partial!r}" if ga is not None else None,
+            'micro_bs': (mb.mode if mb is not None else None), 'BatchNorm mode': bna.mode if bna is not None else None,
+            'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()], **fit_args}
+
+def _fingerprint_bytes(x)->bytes:
+    if isinstance(x, torch.Tensor): return x.detach().cpu().contiguous().numpy().tobytes() if x.numel() <= 1<<16 else repr(x.shape).encode()
+    if isinstance(x, (list, tuple)): return b'|'.join(_fingerprint_bytes(v) for v in x)
+    return repr(x).encode()
+
+def data_identity(dl)->str:
+    """The training data's identity: its number of items and a CRC-32 of five of its raw items (the first three, the
+    middle and the last: a file's path, a row, a tensor), the same on any number of processes. Two notebooks sharing a
+    checkpoint folder with other data of the same shapes no longer resume each other's weights"""
+    import zlib
+    dl = dl.__dict__.get('dl', dl)
+    ds = getattr(dl, 'dataset', None)
+    items = getattr(ds, 'items', None) if ds is not None else None
+    seq = items if items is not None else ds
+    try:
+        n = len(seq)
+        pick = lambda i: seq.iloc[i] if hasattr(seq, 'iloc') else seq[i]
+        crc = zlib.crc32(b'#'.join(_fingerprint_bytes(pick(i)) for i in sorted({0, 1, 2, n//2, n - 1}) if 0 <= i < n))
+    except Exception: return f'{getattr(dl, "n", None)} items'
+    return f'{n} items, CRC-32 {crc:08x}'

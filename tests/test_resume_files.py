@@ -224,3 +224,56 @@ def test_dcp_metadata_of_the_wrong_structure_is_a_checkpoint_error(tmp_path):
     from accum_callback.sharded_checkpoint import read_dcp_metadata
     (tmp_path/'.metadata').write_bytes(pickle.dumps(Metadata(state_dict_metadata=[])))
     with pytest.raises(CheckpointError, match='state_dict_metadata is a list'): read_dcp_metadata(tmp_path/'.metadata')
+
+# -- the signature holds the data (issue 61, item 2) ---------------------------------------------------------------------
+def test_another_notebook_on_other_data_in_the_same_folder_is_refused_naming_the_data(tmp_path):
+    "Two notebooks, one default folder: a fit on other data of the same shapes and arguments is refused, not resumed"
+    from accum_callback.fit_state import data_identity
+    files = _interrupted(tmp_path/'ck')
+    other = make_data(40, seed=5)   # the same shapes, other samples
+    learn = make_learner(other, 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck')])
+    assert data_identity(learn.dls.train) != data_identity(make_learner(_data(), 4).dls.train)
+    with learn.no_bar(), learn.no_logging(), pytest.raises(CheckpointError, match=r"data: '40 items, CRC-32 \w+' then, '40 items, CRC-32 \w+' now"):
+        learn.fit(2)
+    same = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck')])
+    with same.no_bar(), same.no_logging(): same.fit(2)
+    assert cb.resumed_from == files[-1]
+
+# -- a notebook's several fits, re-run after a kernel restart (issue 61, item 1) ---------------------------------------------
+def _notebook(folder:Path, cut_at:int|None=None):
+    """The cells: fit_one_cycle(1) -> lr_find -> fit_one_cycle(2, valley), `Checkpoint(batches=1)`, on a fresh Learner
+    (a kernel restart); `cut_at`: the stop button at that training batch of the session. Returns what each cell left"""
+    from fastai.callback.schedule import valley
+    from fastai.torch_core import set_seed
+    from fastai.callback.core import Callback
+    from fastai.callback.schedule import LRFinder
+    class StopButton(Callback):   # at the `cut_at`-th training batch of the fits (lr_find's not counted)
+        order,k = 99,0
+        def after_batch(self):
+            if self.training and not any(isinstance(c, LRFinder) for c in self.learn.cbs):
+                self.k += 1
+                if self.k == cut_at: raise Boom('the stop button')
+    set_seed(0)
+    cbs = [GradientAccumulation(n_step=3), Checkpoint(folder, batches=1)] + ([StopButton()] if cut_at else [])
+    learn = make_learner(_data(), 4, cbs=cbs, shuffle=True)
+    out = {}
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        try:
+            learn.fit_one_cycle(1, 0.05); out['fit1'] = [p.detach().clone() for p in learn.model.parameters()]
+            out['lr'] = learn.lr_find(suggest_funcs=valley, show_plot=False).valley
+            learn.fit_one_cycle(2, out['lr']); out['fit2'] = [p.detach().clone() for p in learn.model.parameters()]
+        except Boom: out['cut'] = True
+    return out
+
+def test_a_notebook_of_several_fits_re_run_after_a_restart_is_the_uninterrupted_session(tmp_path):
+    """Stopped in the second fit, the kernel restarted, the cells re-run from the top: the first fit's cell restores the
+    model as that fit ended (it was at its initial weights: max |diff| 8.0), `lr_find` sees it and finds the same valley,
+    and the second fit resumes where it stopped: the uninterrupted session's weights, bitwise"""
+    ref = _notebook(tmp_path/'ref')
+    cut = _notebook(tmp_path/'ck', cut_at=10 + 5)   # (10 training batches an epoch: the 5th of the second fit)
+    assert cut.get('cut') and 'fit1' in cut and 'fit2' not in cut
+    again = _notebook(tmp_path/'ck')
+    assert all(torch.equal(a, b) for a,b in zip(again['fit1'], ref['fit1'])), "the first fit's cell did not restore its end"
+    assert again['lr'] == ref['lr']
+    assert all(torch.equal(a, b) for a,b in zip(again['fit2'], ref['fit2'])), 'the second fit did not resume to the uninterrupted weights'
