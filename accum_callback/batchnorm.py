@@ -305,11 +305,21 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy):
     def pools_over_ranks(self)->bool: "'pool' pools a `global_window` run's window over all ranks (`PooledStats.over_ranks`)"; return self.mode == 'pool'
 
     def state_dict(self)->dict:
-        "What a window in progress holds ('pool': its micro-batches' statistics; 'momentum': the momenta in force)"
-        return dict(active=self.active.state() if self.active is not None else None, recomputed=getattr(self, '_recomputed', True))
+        """What a window in progress holds ('pool': its micro-batches' statistics; 'momentum': the momenta in force),
+        and each Batch Renorm layer's count of training forwards (it drives `r_max`/`d_max`'s ramp; not in the model's
+        state dict)"""
+        return dict(active=self.active.state() if self.active is not None else None, recomputed=getattr(self, '_recomputed', True),
+                    renorm_steps={n: m.renorm_steps for n,m in self._renorm_layers().items()})
     def load_state_dict(self, sd:dict):
+        steps,layers = sd.get('renorm_steps', {}),self._renorm_layers()   # (a checkpoint of 0.3.0 has none)
+        if not (isinstance(steps, dict) and all(n in layers and type(v) is int and v >= 0 for n,v in steps.items())):
+            raise ValueError(f"BatchNormAccumulation: renorm_steps {steps!r:.120} do not fit this model's Batch Renorm layers")
         if self.active is not None and sd['active'] is not None: self.active.load_state(sd['active'])
         self._recomputed = sd['recomputed']
+        for n,v in steps.items(): layers[n].renorm_steps = v
+    def _renorm_layers(self)->dict:
+        learn = getattr(self, 'learn', None)
+        return {n: m for n,m in learn.model.named_modules() if isinstance(m, BatchRenorm)} if learn is not None else {}
     def _window_closed(self, stepped:bool):
         "GradientAccumulation closed the window: stepped, or dropped/skipped/cancelled"
         if self.active is not None: self.active.window_closed(stepped)

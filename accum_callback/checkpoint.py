@@ -276,7 +276,7 @@ class Checkpoint(Callback):
             f = s if records else self.file(s, source_rank(self._ga()))
             try:
                 st = read_whole(f, self.folder)
-                check_fit_state(st, self.learn, self, f)
+                check_fit_state(st, self.learn, self, f, self.signature())
                 mine = st   # (a `global_window` run on as many processes: each rank resumes its own file, checked too)
                 if elastic and process_rank() and st['world'] == process_count():
                     check_fit_state(mine := read_checkpoint(self.file(s, process_rank())), self.learn, self, self.file(s, process_rank()))

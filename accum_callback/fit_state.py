@@ -129,11 +129,12 @@ def fit_arguments(learn)->dict:
 
 # -- a checkpoint's state, checked whole before any of it is applied -------------------------------------------------------
 
-def check_fit_state(st, learn, skip, where:str='the checkpoint'):
+def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=None):
     """`ValueError` naming the first thing in `st` (a checkpoint's state, as `Checkpoint` saves it) that cannot be applied
     to `learn` as it is: the place, the model's tensors and gradients (shapes), the optimizer's and the Recorder's
     structure, the RNG states, and every callback's state (each tried with its `load_state_dict`, then its own state
-    put back). Nothing is changed: a file that fails here is passed over, not half applied"""
+    put back). Nothing is changed: a file that fails here is passed over, not half applied. `now`: this fit's signature;
+    a file whose signature differs (another fit: refused by the resume, naming what changed) is checked no deeper"""
     from .compat import local_tensor, rng_states, set_rng_states
     from .distributed import unwrap
     def need(ok, what):
@@ -142,11 +143,11 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint'):
     need(st.get('where') in ('mid', 'end', 'done'), f"'where' is {st.get('where')!r}")
     for k in ('world', 'epoch', 'k'): need(type(st.get(k)) is int and st[k] >= 0, f'{k!r} is {st.get(k)!r}')
     need(isinstance(st.get('signature'), dict) and type(st['signature'].get('fit')) is int, 'its signature is malformed')
+    if now is not None and any(v != now.get(k) for k,v in st['signature'].items() if k != 'FSDP2'): return
     # (a tensor fits as this rank's shard or whole: a file of another layout is refused by the resume, naming it)
     shape = lambda t: {tuple(local_tensor(t).shape), tuple(t.shape)}
     model,sd = st.get('model'),unwrap(learn.model).state_dict()
     need(isinstance(model, dict), "'model' is not a dict")
-    if st['signature'].get('model') != [(k, tuple(v.shape)) for k,v in sd.items()]: return   # (another model: the resume refuses it, naming it)
     for k,v in model.items():
         need(k in sd and isinstance(v, torch.Tensor) and shape(v) & shape(sd[k]), f'the model tensor {k!r} does not fit this model')
     params,grads = list(unwrap(learn.model).parameters()),st.get('grads')

@@ -27,6 +27,9 @@ class WindowPlan:
             raise ValueError("GradientAccumulation(global_window=True) keeps a window of `target_bs` samples over all ranks: "
                              f"give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r}, n_acc={n_acc!r}), "
                              "without micro_bs")
+        if global_window and self.partial == 'carry':   # (its grid restarts each epoch, one process's does not: 5.8e-3 apart)
+            raise ValueError("GradientAccumulation(global_window=True, partial='carry'): a window carried into the next epoch "
+                             "is not cut alike on another number of processes; give partial='step' (the default) or 'drop'")
         self.n_acc = n_acc   # fastai's spelling of `target_bs` (its windows carried over epochs)
         self.clock,self.decided = WindowClock(),0   # `decided`: the last loader batch decided (`micro_bs`)
 

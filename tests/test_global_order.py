@@ -141,6 +141,12 @@ def test_global_window_needs_a_number_of_samples():
     for kw in (dict(n_step=2), dict(target_bs={0: 8}), dict(n_acc=32), dict(target_bs=32, micro_bs=2)):
         with pytest.raises(ValueError, match='global_window=True'): GradientAccumulation(global_window=True, **kw)
 
+def test_global_window_refuses_a_carried_window_at_construction():
+    "Issue 63 item 3: `partial='carry'` restarted its grid each epoch on several processes (weights 5.8e-3 apart): refused, naming the way"
+    with pytest.raises(ValueError, match=r"partial='carry'.*give partial='step' \(the default\) or 'drop'"):
+        GradientAccumulation(target_bs=32, global_window=True, partial='carry')
+    for p in ('step', 'drop'): GradientAccumulation(target_bs=32, global_window=True, partial=p)
+
 # -- resumed on another number of processes ----------------------------------------------------------------------------
 def _run(world, **kw):
     return W.train(**kw) if world == 1 else launch_gloo(W.train, world=world, kwargs=kw, timeout=180)

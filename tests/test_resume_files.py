@@ -277,3 +277,28 @@ def test_a_notebook_of_several_fits_re_run_after_a_restart_is_the_uninterrupted_
     assert all(torch.equal(a, b) for a,b in zip(again['fit1'], ref['fit1'])), "the first fit's cell did not restore its end"
     assert again['lr'] == ref['lr']
     assert all(torch.equal(a, b) for a,b in zip(again['fit2'], ref['fit2'])), 'the second fit did not resume to the uninterrupted weights'
+
+# -- state a feature keeps outside the model's state dict (issue 61, item 8) ----------------------------------------------
+@pytest.mark.parametrize('kw', [dict(), dict(warmup=2, ramp=10)], ids=['defaults', 'warmup-ramp'])
+def test_batch_renorm_resumes_its_ramp_bitwise(tmp_path, kw):
+    """`BatchNormAccumulation('renorm')`: each layer's count of training forwards drives r_max/d_max's ramp; resumed at
+    0 it was 5.8e-4 (defaults) and 4.0e-3 (warmup=2, ramp=10) off. Cut mid-window and resumed: bitwise, counts equal"""
+    import torch.nn as nn
+    from accum_callback import BatchNormAccumulation
+    from accum_callback.norm_layers import BatchRenorm
+    def run(folder, cut=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation('renorm', **kw), Checkpoint(folder, batches=1)]
+        learn = make_learner(_data(), 4, model=model, cbs=cbs + ([RaiseAt(cut)] if cut else []))
+        with learn.no_bar(), learn.no_logging():
+            try: learn.fit(2, 0.05)
+            except Boom: return None
+        return learn
+    ref = run(tmp_path/'ref')
+    assert run(tmp_path/'ck', cut=13) is None
+    again = run(tmp_path/'ck')
+    steps = lambda l: [m.renorm_steps for m in l.model.modules() if isinstance(m, BatchRenorm)]
+    assert steps(again) == steps(ref) and steps(ref)[0] > 0
+    a,b = ref.model.state_dict(),again.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), 'weights or statistics differ from the uninterrupted run'
