@@ -337,8 +337,20 @@ def _main(argv, prog:str)->int:
     except ValueError as e:
         from .data import DataError
         from .models import ArchError
+        if type(e).__name__ == 'CheckpointError': return _fail(_refused_resume(e), prog)
         if not isinstance(e, (DataError, ArchError)): raise
         return _fail(e, prog)
+
+def _refused_resume(e)->str:
+    """A refused `--resume` in the job's terms: what differs, and the job's ways on (the library's message names
+    `Checkpoint(resume=False)` and `strict=False`, which a job user cannot pass)"""
+    import re
+    msg = str(e).split('\n')[-1].strip().removeprefix('Checkpoint: ')
+    m = re.match(r'cannot resume (\S+) exactly, (.*?)\. Run the fit as it was', msg, re.S)
+    what = (f"{m.group(1)} is of another run ({m.group(2)[:300]})" if m else
+            re.sub(r';? ?(start afresh with|Run the fit as it was).*', '', msg)[:400])
+    return (f"argument --resume: {what}; run the job as it was to continue it, or start afresh without --resume "
+            "(with --overwrite to replace the results) or into another --out")
 
 _INTERRUPTED = []   # SIGINT seen (`run` installs the handler): checked where a library might have swallowed its KeyboardInterrupt
 

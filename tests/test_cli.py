@@ -823,3 +823,39 @@ def test_the_job_refuses_to_resume_a_run_without_global_windows_on_another_numbe
     _stop_in_epoch_2(cut, tmp_path/'cut', 2)
     again = _elastic_job(1, tmp_path/'cut', '--resume', base=base); _,err = again.communicate(timeout=300)
     assert again.returncode != 0 and 'world size: 2 then, 1 now' in err, err[-3000:]
+
+# -- a refused --resume, the pretrained cache damaged (issue 61, item 6) -----------------------------------------------------
+def test_a_refused_resume_is_one_line_in_the_jobs_terms_and_exit_2(tmp_path, capsys, monkeypatch):
+    """Checkpoints of another run in --out (a run stopped by Ctrl-C after its first epoch, resumed with another
+    --n-step): one line naming what differs and the job's ways on, exit 2, never a traceback"""
+    import accum_finetune.cli as C, accum_finetune.finetune as F
+    from fastai.callback.core import Callback
+    class CtrlC(Callback):
+        order = 100   # (after the epoch's checkpoint)
+        def after_epoch(self): raise KeyboardInterrupt
+    real = F.finetune   # (the job imports it when it runs)
+    monkeypatch.setattr(F, 'finetune', lambda learn, *a, cbs=None, **k: real(learn, *a, cbs=[*(cbs or []), CtrlC()], **k))
+    data,out = make_folder(tmp_path/'imgs', n=4),tmp_path/'out'
+    args = ['--data', data, '--micro-bs', 2, '--bn', 'none', '--epochs', 2, '--valid-pct', 0.25, '--device', 'cpu', '--weights', 'none']
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        assert C.main([str(a) for a in args + ['--n-step', 2, '--out', out]]) == 130
+        monkeypatch.setattr(F, 'finetune', real)
+        capsys.readouterr()
+        code = C.main([str(a) for a in args + ['--n-step', 4, '--resume', '--out', out]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count('\n') == 1 and 'Traceback' not in err, err
+    assert 'argument --resume' in err and 'window' in err and 'another --out' in err and 'resume=False' not in err, err
+
+def test_a_damaged_or_empty_pretrained_cache_is_rebuilt_with_one_line(tmp_path, monkeypatch, capsys):
+    "A flipped byte loaded silently; an empty file (a rename without fsync, then a power loss) failed every later run"
+    from accum_finetune import pretrain
+    monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(tmp_path))
+    monkeypatch.setitem(pretrain.PRETRAIN, 'epochs', 1)
+    path = pretrain.pretrained_checkpoint()
+    good = path.read_bytes()
+    assert pretrain.pretrained_checkpoint() == path and 'rebuilding' not in capsys.readouterr().err   # whole: reused
+    for damage in (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], lambda b: b''):
+        path.write_bytes(damage(good))
+        assert pretrain.pretrained_checkpoint() == path
+        assert capsys.readouterr().err.count('rebuilding') == 1 and path.read_bytes() == good   # (the recipe is deterministic)
