@@ -31,7 +31,7 @@ from .distributed import reduce_floats, is_distributed, process_count, process_r
 from .guard import CANCELS, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .micro import MicroBatching
 from .micro.loader import ReadAhead, can_skip
-from .checkpoint_format import (_MAGIC, CheckpointError, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
+from .checkpoint_format import (MAGIC, CheckpointError, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
                         restore_recorder, set_loader_orders, set_loader_rngs, check_fit_state, fit_signature)
@@ -39,7 +39,7 @@ from .elastic import elastic_state, is_elastic, loader_signature, save_waits, so
 from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
 from .files import keep_copy, remove_stale_parts, writable_folder
 from .validate import whole_number
-_write = write_checkpoint   # (the name bench/checkpoint_cost.py times)
+_write,_MAGIC = write_checkpoint,MAGIC   # (the name bench/checkpoint_cost.py times; the magic's name before 0.3)
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
 

@@ -11,10 +11,11 @@ import torch
 from .files import atomic_write
 from .window import Phase, StepRecord
 
-__all__ = ['CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
+__all__ = ['MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
            'is_rank_shard']
 
-_MAGIC = b'ACKPT1\n'
+MAGIC = b'ACKPT1\n'   # a checkpoint file's first line
+_MAGIC = MAGIC   # (its name before 0.3: imported by tests and scripts)
 
 class CheckpointError(ValueError):
     "A checkpoint that cannot be resumed exactly (what changed is named), or a damaged one"
@@ -137,7 +138,7 @@ def from_plain(o):
 def write_checkpoint(path:Path, obj)->int:
     "Write `obj` (the state of a fit) to `path` atomically, as plain types with the header; returns the bytes written"
     buf = io.BytesIO(); torch.save(plain_state(obj), buf); data = buf.getvalue()
-    with atomic_write(path) as f: f.write(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
+    with atomic_write(path) as f: f.write(MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
     return len(data)
 
 def _unsupported(e)->str:
@@ -148,9 +149,9 @@ def _unsupported(e)->str:
 def read_checkpoint(path)->dict:
     "The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged"
     raw = Path(path).read_bytes()
-    h = len(_MAGIC) + 12
-    if not raw.startswith(_MAGIC) or len(raw) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
-    crc,n = struct.unpack('<IQ', raw[len(_MAGIC):h])
+    h = len(MAGIC) + 12
+    if not raw.startswith(MAGIC) or len(raw) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
+    crc,n = struct.unpack('<IQ', raw[len(MAGIC):h])
     data = raw[h:]
     if len(data) != n: raise CheckpointError(f"{path}: cut short ({len(data)} of {n} bytes)")
     if zlib.crc32(data) != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")

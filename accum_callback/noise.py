@@ -35,10 +35,11 @@ def noise_estimates(g_small2, g_big2, b, B)->tuple:
     items (numbers or tensors; `b` may be a mean of 1/b over several small gradients, given as `1/b`'s inverse)"""
     return (B*g_big2 - b*g_small2)/(B - b),(g_small2 - g_big2)/(1/b - 1/B)
 
-def _ratio_of(g2:float, tr:float)->float:
+def ratio_of(g2:float, tr:float)->float:
+    "B_simple = tr/|G|^2 from the two estimates: NaN where the trace is not positive, inf where |G|^2 is not"
     return math.nan if not tr > 0 else (tr/g2 if g2 > 0 else math.inf)
 
-def _sq_norm(ts:list)->torch.Tensor:
+def sq_norm(ts:list)->torch.Tensor:
     "Sum of squares of `ts` (one fused norm kernel), in float64, on their device; a DTensor counts its local shard"
     ts = [local_tensor(t) for t in ts if t is not None]
     if not ts: return torch.zeros((), dtype=torch.float64)
@@ -81,11 +82,11 @@ class GradientNoiseScale(Callback):
         or while no noise is measured (tr(S) <= 0), inf while the mean gradient is lost in the noise (|G|^2 <= 0)"""
         if self._ema is None: return math.nan
         if self._host is not None and self._host[0] == self._n: return self._host[1]   # (read back at the last step)
-        return _ratio_of(*self._ema.tolist())
+        return ratio_of(*self._ema.tolist())
     @property
     def b_simple_history(self)->list:
         "B_simple after each measured step"
-        return [_ratio_of(g, t) for g,t in zip(self.values('g2_ema'), self.values('trace_ema'))]
+        return [ratio_of(g, t) for g,t in zip(self.values('g2_ema'), self.values('trace_ema'))]
     def values(self, k:str)->list:
         "The per-step log `k` as floats (one host synchronisation for the whole log)"
         v = self.log[k]
@@ -160,7 +161,7 @@ class GradientNoiseScale(Callback):
                  else [p.grad for p in self.model.parameters()])
         n = torch.as_tensor(w.n, dtype=torch.float64)
         k = torch.as_tensor(w.mean_factor(n), dtype=torch.float64).to(model_device(self.model))   # its mean gradient, by the window's rule
-        self._first = (_sq_norm(grads)*k.square(), n)
+        self._first = (sq_norm(grads)*k.square(), n)
 
     def before_step(self):
         "The window is final: the squared norm of its mean gradient, the estimates, their moving averages"
@@ -168,7 +169,7 @@ class GradientNoiseScale(Callback):
         if first is None or w.record is None: return
         g_small2,b = first
         dev = g_small2.device
-        g_big2 = _sq_norm([p.grad for p in self.model.parameters()])
+        g_big2 = sq_norm([p.grad for p in self.model.parameters()])
         if is_fsdp(self.model): g_big2 = self._sum_over_ranks(g_big2)   # each rank holds its shard of the global gradient
         items = float(w.record.items)   # the window's items over every rank (GradientAccumulation's one synchronisation)
         # the step's gradient (`step_scale` applied) as the window's mean: a mean loss's already is, a summed loss's is the sum
@@ -191,7 +192,7 @@ class GradientNoiseScale(Callback):
         for k,v in zip(self.log, (g_small2, g_big2, b, B, g2, tr, self._ema[0], self._ema[1], self.ga.steps)): self.log[k].append(v)
         # a schedule reads B_simple at the next window's start: read it back here, in the step's micro-batch (which
         # synchronised for the window's counts already), not in a micro-batch that does not step
-        if self.schedules: self._host = (self._n, _ratio_of(*self._ema.tolist()))
+        if self.schedules: self._host = (self._n, ratio_of(*self._ema.tolist()))
 
     def state_dict(self)->dict:
         "The averages, the logs and each schedule's window size (a checkpoint between micro-batches)"

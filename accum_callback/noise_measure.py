@@ -22,7 +22,7 @@ from .window import Window
 from .compat import rngs_kept
 from .replay import Replay, training_model
 from .validate import flag, whole_number
-from .noise import _ratio_of, _sq_norm, noise_estimates
+from .noise import noise_estimates, ratio_of, sq_norm
 
 __all__ = ['NoiseScaleReport']
 
@@ -71,7 +71,7 @@ class NoiseScaleReport:
 def _ratio(g2, tr)->float:
     "tr(S)/|G|^2 of the windows' mean estimates: nan where no noise is measured, inf where the mean gradient is lost in it"
     g,t = float(np.mean(g2)),float(np.mean(tr))
-    return _ratio_of(g, t)
+    return ratio_of(g, t)
 
 @patch
 def noise_scale(self:Learner,
@@ -189,7 +189,7 @@ class _Pooled:
     def interval(self, seed:int, n_boot:int=1000)->tuple:
         g = len(self.groups)
         rng = np.random.default_rng(seed)
-        return _central95([_ratio_of(*self.estimates(np.bincount(rng.integers(0, g, g), minlength=g).astype(float)))
+        return _central95([ratio_of(*self.estimates(np.bincount(rng.integers(0, g, g), minlength=g).astype(float)))
                            for _ in range(n_boot)])
 
     def narrow(self, seed:int, rel_width:float)->bool:
@@ -206,7 +206,7 @@ class _Pooled:
             return NoiseScaleReport(b_simple=math.nan, interval=(math.nan, math.nan), g2=math.nan, trace=math.nan, b=b, B=N,
                                     n_windows=g, target_bs=None, n_step=None, per_window=per, items_read=int(round(N)),
                                     reason="a loss or gradient was not finite")
-        rep = _suggest(_ratio_of(g2, tr), self.interval(seed), g2, tr, b, N, g, bs, per, 0, f"{g} groups of {N/g:.3g} items")
+        rep = _suggest(ratio_of(g2, tr), self.interval(seed), g2, tr, b, N, g, bs, per, 0, f"{g} groups of {N/g:.3g} items")
         rep.items_read,rep.what = int(round(N)),'groups, pooled'
         return rep
 
@@ -267,10 +267,10 @@ def _window_norms(r:Replay, idxs:list, quiet:bool=False)->dict:
         (loss*w.loss_weight(n)).backward()
         w.add(n, find_bs(yb if len(yb) else xb), loss.detach())
         g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-        small.append(float(_sq_norm(g))*w.mean_factor(n)**2); inv_b.append(1/n)   # the micro-batch's mean gradient
+        small.append(float(sq_norm(g))*w.mean_factor(n)**2); inv_b.append(1/n)   # the micro-batch's mean gradient
         acc = [t.double() for t in g] if acc is None else [a.add_(t.double()) for a,t in zip(acc, g)]   # the window's, weighted
     items = w.items
-    g_big2 = float(_sq_norm([a*w.mean_factor(items) for a in acc]))
+    g_big2 = float(sq_norm([a*w.mean_factor(items) for a in acc]))
     b = 1/float(np.mean(inv_b))
     g2,tr = noise_estimates(float(np.mean(small)), g_big2, b, items)
     return dict(g_small2=float(np.mean(small)), g_big2=g_big2, b=b, B=items, g2=g2, trace=tr)

@@ -209,3 +209,12 @@ def test_every_module_has_its_tests_where_this_map_says():
         f = here/f'test_{m}.py' if (here/f'test_{m}.py').exists() else here/TESTED_IN.get(m, f'test_{m}.py')
         assert f.exists(), f"accum_callback/{m}.py has no tests/test_{m}.py and no entry in TESTED_IN"
         assert f == here/f'test_{m}.py' or m in f.read_text(), f"{f.name} does not name {m}"
+
+def test_no_private_name_is_imported_across_the_packages_modules():
+    "Issue 60: a module uses another's public names only (`from .x import _y` is a private name crossing a boundary)"
+    found = []
+    for path in sorted(PKG.rglob('*.py')):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or '').startswith('accum_callback')):
+                found += [f'{path.relative_to(PKG)}:{node.lineno} {a.name}' for a in node.names if a.name.startswith('_') and not a.name.startswith('__')]
+    assert not found, found
