@@ -428,3 +428,45 @@ def test_language_model_inference_cut_under_auto_keeps_its_rows_state(lm_learner
     assert got.micro_batching.inference_bs == 2 and got.micro_batching.size == 8
     assert abs(got.recorder.values[-1][1] - ref.recorder.values[-1][1]) <= 1e-6
     with got.no_bar(), ref.no_bar(): assert abs(got.validate()[0] - ref.validate()[0]) <= 1e-6
+
+# -- dict inputs (Hugging Face's BatchEncoding, blurr's batches), issue 62 ---------------------------------------------------
+class DictNet(nn.Module):
+    "Takes a dict, as a Hugging Face model takes `input_ids`/`attention_mask`: `a` and `b` features, `mask` multiplies `b`"
+    def __init__(self, seed=0):
+        super().__init__(); torch.manual_seed(seed)
+        self.la,self.lb,self.out = nn.Linear(5, 8),nn.Linear(3, 8),nn.Linear(8, 3)
+    def forward(self, x): return self.out(torch.tanh(self.la(x['a']) + self.lb(x['b']*x['mask'][:, None])))
+
+def _dict_learner(bs, cbs, n=24, loss=None):
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.learner import Learner
+    from fastai.optimizer import SGD
+    g = torch.Generator().manual_seed(3)
+    a,b,y = torch.randn(n, 5, generator=g, dtype=F64),torch.randn(n, 3, generator=g, dtype=F64),torch.randint(0, 3, (n,), generator=g)
+    mask = (torch.rand(n, generator=g) > 0.3).to(F64)
+    items = [({'a': a[i], 'b': b[i], 'mask': mask[i]}, y[i]) for i in range(n)]
+    dls = DataLoaders(DataLoader(items, bs=bs), DataLoader(items[:8], bs=bs), device='cpu')
+    learn = Learner(dls, DictNet().double(), loss_func=loss or nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[*cbs, Float64Smoothing()])
+    learn.recorder.train_metrics = False
+    return learn
+
+@pytest.mark.parametrize('micro_bs', [2, 3, 'auto'])
+def test_dict_batches_are_cut_key_by_key_and_equal_the_uncut_batch(micro_bs):
+    "`micro_bs` on dict inputs (every key cut along the batch): the weights of the uncut loader batches, float64"
+    ref = _dict_learner(8, [GradientAccumulation(n_step=1)])
+    fit_quiet(ref, 2)
+    loss = OOMAbove(4, loss=nn.CrossEntropyLoss()) if micro_bs == 'auto' else None   # ('auto': a device that holds 4)
+    cut = _dict_learner(8, [GradientAccumulation(micro_bs=micro_bs)], loss=loss)
+    if micro_bs == 'auto':
+        with pytest.warns(UserWarning, match='out of memory with micro-batch 8.*micro_bs is now 4'): fit_quiet(cut, 2)
+    else: fit_quiet(cut, 2)
+    assert rel_err(weights(cut), weights(ref)) <= TOL
+    preds,_ = cut.get_preds(dl=cut.dls.valid)
+    assert preds.shape == (8, 3)
+
+def test_the_check_halves_dict_batches():
+    "`check_accumulation()` on dict inputs with micro-batches of 4 (it halved them with a slicer that knew no dicts): exact"
+    learn = _dict_learner(4, [GradientAccumulation(n_step=2)])
+    rep = learn.check_accumulation()
+    assert rep.exact, str(rep)

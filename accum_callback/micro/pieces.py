@@ -1,6 +1,8 @@
 """Cutting a batch: which rows each piece holds (one rule, `piece_bounds`, and the halving after an out-of-memory error,
 `halved`), slicing a batch and joining the pieces' outputs, and telling an out-of-memory error from others."""
 from __future__ import annotations
+from collections.abc import Mapping
+
 import torch
 
 from ..compat import OutOfMemoryError
@@ -40,11 +42,17 @@ def halved(size:int)->int:
 def first_line(e:BaseException)->str: return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 def slice_batch(b, s:int, e:int):
-    "Items `s:e` of a batch: tensors sliced along their first dimension, tuples and lists element by element"
+    """Items `s:e` of a batch: tensors sliced along their first dimension, tuples and lists element by element, dicts
+    (Hugging Face's `BatchEncoding`, blurr's batches: `input_ids`, `attention_mask`, `labels`) key by key"""
     if isinstance(b, torch.Tensor): return b[s:e]
     if isinstance(b, (tuple, list)): return type(b)(slice_batch(o, s, e) for o in b)
+    if isinstance(b, Mapping):
+        d = {k: slice_batch(v, s, e) for k,v in b.items()}
+        try: return type(b)(d)
+        except TypeError: return d
+    if b is None: return None
     raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
-                    "only tensors and tuples/lists of them (give the loader micro-batches instead, with `n_step`)")
+                    "only tensors and tuples, lists and dicts of them (give the loader micro-batches instead, with `n_step`)")
 
 def cat_outputs(outs:list):
     "The model outputs of consecutive pieces of a batch joined along the first dimension (tensors, tuples, lists, dicts)"
