@@ -302,3 +302,51 @@ def test_batch_renorm_resumes_its_ramp_bitwise(tmp_path, kw):
     assert steps(again) == steps(ref) and steps(ref)[0] > 0
     a,b = ref.model.state_dict(),again.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a), 'weights or statistics differ from the uninterrupted run'
+
+# -- generative: any notebook of fits, stopped anywhere, re-run from the top ---------------------------------------------
+CELLS = st.lists(st.tuples(st.sampled_from(['fit', 'fit_one_cycle', 'fit_flat_cos']), st.integers(1, 2),
+                           st.sampled_from([None, 'lr_find', 'validate', 'freeze'])), min_size=1, max_size=3)
+
+def _session(folder:Path, cells, stop_at:int|None=None):
+    """Run the notebook `cells` (a fit of each kind and epochs, then maybe `lr_find`/`validate`/a freeze) on a fresh
+    Learner with `Checkpoint(batches=1)`; `stop_at`: the stop button at that training batch of the fits. Returns each
+    fit's end weights and the cut, if any"""
+    from fastai.callback.core import Callback
+    from fastai.callback.schedule import LRFinder, valley
+    from fastai.torch_core import set_seed
+    class StopButton(Callback):
+        order,k = 99,0
+        def after_batch(self):
+            if self.training and not any(isinstance(c, LRFinder) for c in self.learn.cbs):
+                self.k += 1
+                if self.k == stop_at: raise Boom('the stop button')
+    set_seed(0)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=3), Checkpoint(folder, batches=1), StopButton()], shuffle=True)
+    ends,lr = [],0.05
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        try:
+            for meth,epochs,then in cells:
+                getattr(learn, meth)(epochs, lr)
+                ends.append([p.detach().clone() for p in learn.model.parameters()])
+                if then == 'lr_find': lr = learn.lr_find(suggest_funcs=valley, show_plot=False).valley
+                elif then == 'validate': ends.append([torch.tensor(v) for v in learn.validate()])
+                elif then == 'freeze': learn.model.l1.requires_grad_(False)
+        except Boom: return ends,True
+    return ends,False
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cells=CELLS, data=st.data())
+def test_any_notebook_stopped_anywhere_and_re_run_is_the_uninterrupted_session(cells, data, tmp_path_factory):
+    """Fits of any kind and length, with lr_find, validate or a freeze between them, the stop button at any training
+    batch, the kernel restarted and every cell re-run: each fit ends with the uninterrupted session's weights, bitwise"""
+    ref,_ = _session(tmp_path_factory.mktemp('ref'), cells)
+    total = sum(10*e for _,e,_ in cells)   # (10 training batches an epoch)
+    stop = data.draw(st.integers(1, total), label='stop at')
+    folder = tmp_path_factory.mktemp('cut')
+    _,cut = _session(folder, cells, stop_at=stop)
+    assert cut
+    again,cut = _session(folder, cells)
+    assert not cut and len(again) == len(ref)
+    for i,(a,b) in enumerate(zip(again, ref)):
+        assert all(torch.equal(x, y) for x,y in zip(a, b)), f'cell {i} differs from the uninterrupted session (stopped at batch {stop})'
