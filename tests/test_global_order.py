@@ -97,6 +97,14 @@ def test_pool_running_statistics_are_one_processs_on_any_number(world):
     rs = launch_gloo(W.train, world=world, kwargs=dict(layer='batchnorm', bn='pool'), timeout=180)
     for r in rs: assert rel_err(r['params'], one['params']) <= TOL and rel_err(r['buffers'], one['buffers']) <= TOL
 
+def test_precise_leaves_the_training_order_alone_on_any_number_of_processes(one):
+    """Issue 63 item 4: `BatchNormAccumulation('pool', precise=40)`'s recomputation read a copy of fastai's `DistributedDL`
+    that shared the loader it wraps, and drew from its RNG: epoch 2's order on 2 processes was not one process's"""
+    ref = W.train(world=1, layer='batchnorm', bn='pool', precise=40)
+    rs = launch_gloo(W.train, world=2, kwargs=dict(layer='batchnorm', bn='pool', precise=40), timeout=180)
+    assert _global([r['windows'] for r in rs]) == ref['windows']
+    assert rel_err(rs[0]['params'], ref['params']) <= TOL
+
 @pytest.mark.parametrize('partial,steps', [('step', 8), ('drop', 6)])
 def test_a_partial_last_window_is_stepped_or_dropped_alike(partial, steps):
     """100 samples in windows of 32 leave 4 an epoch: shared by the ranks (2 each, one micro-batch) and stepped as one

@@ -114,6 +114,12 @@ def own_loader(learn, shuffle:bool=False, seed:int=0, drop_last:bool|None=None):
     try: dl = dl.new(shuffle=shuffle, drop_last=drop)
     except Exception: dl = copy_loader(dl)
     if hasattr(dl, 'rng'): dl.rng = random.Random(seed)   # fastai's loaders draw their order (and a new `rng`) from it
+    inner = dl.__dict__.get('dl')
+    if inner is not None and inner is getattr(learn.dls.train, '__dict__', {}).get('dl'):
+        # a copy of fastai's `DistributedDL` shares the loader it wraps, whose RNG draws each epoch's order: the copy
+        # draws from one of its own, so that the training order is left as it was (issue 63: `precise` moved it)
+        dl.dl = copy_loader(inner)
+        if hasattr(dl.dl, 'rng'): dl.dl.rng = random.Random(seed)
     return dl
 
 def loader_pieces(learn, size:int|None, shuffle:bool=False, seed:int=0, epochs:int=1, drop_last:bool|None=None):
