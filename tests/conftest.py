@@ -28,9 +28,13 @@ def one_thread():
 
 @pytest.fixture(scope='session')
 def cache_dir(tmp_path_factory):
-    "A private cache holding the job's pretrained checkpoint, built once per session (the user's cache is never touched)"
-    d = tmp_path_factory.getbasetemp()/'accum_cache'
-    with mock.patch.dict(os.environ, {CACHE_ENV: str(d)}), torch_threads(1):
+    """A private cache holding the job's pretrained checkpoint, built once per session (the user's cache is never
+    touched); pytest-xdist's workers share one, the first to arrive building it while the others wait for its lock"""
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent   # (the folder every worker's own lies in)
+    d = root/'accum_cache'
+    with FileLock(str(root/'accum_cache.lock')), mock.patch.dict(os.environ, {CACHE_ENV: str(d)}), torch_threads(1):
         from accum_finetune.pretrain import pretrained_checkpoint
         pretrained_checkpoint()
     return d
