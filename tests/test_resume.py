@@ -112,8 +112,11 @@ def test_a_cut_or_damaged_checkpoint_is_never_loaded(tmp_path, damage):
     if damage != 'part':
         with pytest.raises(CheckpointError): read_checkpoint(newest)
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(ck)])
-    with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    with warnings.catch_warnings(record=True) as said, learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('always'); learn.fit(2)
     assert cb.resumed_from == files[0]
+    passed = [str(w.message) for w in said if 'passed over' in str(w.message)]
+    assert len(passed) == (damage != 'part') and all(newest.name in p for p in passed), passed   # (one line, naming it)
 
 def test_a_finished_fit_is_not_run_again_and_a_fresh_start_is_asked_for(tmp_path):
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck')])
