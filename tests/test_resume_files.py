@@ -240,21 +240,25 @@ def test_another_notebook_on_other_data_in_the_same_folder_is_refused_naming_the
     assert cb.resumed_from == files[-1]
 
 # -- a notebook's several fits, re-run after a kernel restart (issue 61, item 1) ---------------------------------------------
+from fastai.callback.core import Callback
+from fastai.callback.schedule import LRFinder
+
+class StopButton(Callback):
+    "The notebook's stop button at the `at`-th training batch of the fits (lr_find's not counted; None: never)"
+    order = 99
+    def __init__(self, at:int|None): self.at,self.k = at,0
+    def after_batch(self):
+        if self.training and not any(isinstance(c, LRFinder) for c in self.learn.cbs):
+            self.k += 1
+            if self.k == self.at: raise Boom('the stop button')
+
 def _notebook(folder:Path, cut_at:int|None=None):
     """The cells: fit_one_cycle(1) -> lr_find -> fit_one_cycle(2, valley), `Checkpoint(batches=1)`, on a fresh Learner
     (a kernel restart); `cut_at`: the stop button at that training batch of the session. Returns what each cell left"""
     from fastai.callback.schedule import valley
     from fastai.torch_core import set_seed
-    from fastai.callback.core import Callback
-    from fastai.callback.schedule import LRFinder
-    class StopButton(Callback):   # at the `cut_at`-th training batch of the fits (lr_find's not counted)
-        order,k = 99,0
-        def after_batch(self):
-            if self.training and not any(isinstance(c, LRFinder) for c in self.learn.cbs):
-                self.k += 1
-                if self.k == cut_at: raise Boom('the stop button')
     set_seed(0)
-    cbs = [GradientAccumulation(n_step=3), Checkpoint(folder, batches=1)] + ([StopButton()] if cut_at else [])
+    cbs = [GradientAccumulation(n_step=3), Checkpoint(folder, batches=1)] + ([StopButton(cut_at)] if cut_at else [])
     learn = make_learner(_data(), 4, cbs=cbs, shuffle=True)
     out = {}
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
@@ -311,17 +315,10 @@ def _session(folder:Path, cells, stop_at:int|None=None):
     """Run the notebook `cells` (a fit of each kind and epochs, then maybe `lr_find`/`validate`/a freeze) on a fresh
     Learner with `Checkpoint(batches=1)`; `stop_at`: the stop button at that training batch of the fits. Returns each
     fit's end weights and the cut, if any"""
-    from fastai.callback.core import Callback
-    from fastai.callback.schedule import LRFinder, valley
+    from fastai.callback.schedule import valley
     from fastai.torch_core import set_seed
-    class StopButton(Callback):
-        order,k = 99,0
-        def after_batch(self):
-            if self.training and not any(isinstance(c, LRFinder) for c in self.learn.cbs):
-                self.k += 1
-                if self.k == stop_at: raise Boom('the stop button')
     set_seed(0)
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=3), Checkpoint(folder, batches=1), StopButton()], shuffle=True)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=3), Checkpoint(folder, batches=1), StopButton(stop_at)], shuffle=True)
     ends,lr = [],0.05
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')
