@@ -24,7 +24,6 @@ from fastai.callback.schedule import LRFinder
 from fastai.torch_core import find_device, to_device
 
 from .accumulate import GradientAccumulation
-from .batchnorm import BatchNormAccumulation
 from .compat import local_tensor, rng_states, set_rng_states
 from .fastai_compat import train_metrics
 from .distributed import reduce_floats, is_distributed, process_count, process_rank, unwrap
