@@ -270,12 +270,12 @@ class Checkpoint(Callback):
         """The newest checkpoint every rank can read whole and apply (checked whole: `fit_state.check_fit_state`), or
         None; one that cannot be (cut, damaged, planted, malformed, another rank's file missing) is passed over, said.
         `records`: the files of a finished fit's end instead (the first that exists), `(file, state, state)` or None"""
-        elastic = is_elastic(self._ga()) and records is None
+        elastic,now = is_elastic(self._ga()) and records is None,self.signature()
         for s in ([f for f in records if f.is_file()][:1] if records else reversed(self._serials())):
             f = s if records else self.file(s, source_rank(self._ga()))
             try:
                 st = read_whole(f, self.folder)
-                check_fit_state(st, self.learn, self, f, self.signature())
+                check_fit_state(st, self.learn, self, f, now)
                 mine = st   # (a `global_window` run on as many processes: each rank resumes its own file, checked too)
                 if elastic and process_rank() and st['world'] == process_count():
                     check_fit_state(mine := read_checkpoint(self.file(s, process_rank())), self.learn, self, self.file(s, process_rank()))
