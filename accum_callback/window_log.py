@@ -31,7 +31,11 @@ class WindowLog:
 
     def logs_state(self)->dict: return {k: getattr(self, k) for k in LOGS}
     def load_logs(self, sd:dict):
-        for k in LOGS:   # (the logs' names only: no other attribute a file names)
+        "The logs' names only (no other attribute a file names), each a list or a count as `logs_state` gives them"
+        bad = next((k for k in LOGS if k in sd and not (isinstance(sd[k], list) if k.startswith('window_')   # (the lists; the rest counts)
+                                                        else type(sd[k]) is int and sd[k] >= 0)), None)
+        if bad is not None: raise ValueError(f"a window log's {bad!r} is {sd[bad]!r:.80}: not a log this package wrote")
+        for k in LOGS:
             if k in sd: setattr(self, k, sd[k])
 
     def plot_windows(self, ax=None):
