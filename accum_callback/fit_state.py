@@ -167,16 +167,10 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=N
         if k == 'loader_orders' and st.get(k) is not None:
             need(all(o is None or (isinstance(o, list) and all(type(i) is int for i in o)) for o in st[k]), f'{k!r} is malformed')
             need(all(o is None or n is None or len(o) == len(n) for o,n in zip(reversed(st[k]), reversed(get(inner)))), f'{k!r} does not fit the loader')
-        own = get(inner)   # (tried, then put back)
-        try: put(inner, st.get(k))
-        except Exception as e: raise ValueError(f"{where}: {k!r} cannot be applied to the training loader ({type(e).__name__})") from None
-        finally: put(inner, own)
-    saved = rng_states()
-    for k in ('rngs', 'epoch_rngs'):   # (tried, then put back)
+        _tried(lambda: get(inner), lambda v: put(inner, v), st.get(k), f"{where}: {k!r} cannot be applied to the training loader")
+    for k in ('rngs', 'epoch_rngs'):
         if st.get(k) is None and k == 'epoch_rngs': continue
-        try: set_rng_states(st.get(k))
-        except Exception as e: raise ValueError(f"{where}: {k!r} is not the RNGs' state ({type(e).__name__})") from None
-        finally: set_rng_states(saved)
+        _tried(rng_states, set_rng_states, st.get(k), f"{where}: {k!r} is not the RNGs' state")
     need(st.get('carried') is None or (isinstance(st['carried'], dict) and all(isinstance(d, dict) and (
          isinstance(d.get('attributes'), dict) or 'declared' in d) for d in st['carried'].values())), "'carried' is malformed")
     cbs = st.get('callbacks')
@@ -190,6 +184,13 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=N
             put(own)
             for a in set(vars(cb)) - set(attrs): delattr(cb, a)
             vars(cb).update(attrs)
+
+def _tried(get, put, value, what:str):
+    "`put(value)` tried, then what `get()` gave put back whatever happened; `ValueError(what)` where it could not be put"
+    own = get()
+    try: put(value)
+    except Exception as e: raise ValueError(f"{what} ({type(e).__name__})") from None
+    finally: put(own)
 
 def _check_opt(saved, opt, need, shape, sharded:bool):
     "A fastai optimizer's state as `Optimizer.state_dict` writes it, for `opt`'s parameters and hyper-parameters"
