@@ -16,7 +16,7 @@ from .guard import (BringsCallbacks, Listeners, WindowOwner, add_fit_guard, in_i
 from .losses import check_n_items, count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
 from .micro.loader import CutLoader, ReadAhead
-from .advice import warn_at_fit_start
+from .advice import warn_at_fit_start, warn_counting
 from .plan import WindowPlan
 from .schedule import PARTIAL_MODES
 from .validate import flag
@@ -153,6 +153,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
     def before_backward(self):
         learn,w = self.learn,self.window
         n = micro_items(learn, self.n_items, w.bs)   # the count the micro-batch's loss averages over
+        if 'count' not in self.said: warn_counting(self)
         # the window's first micro-batch: its reference (under DDP the loader's batch size, the same on every rank), the
         # loss's kind, and the hyper-parameters the schedule gives now, which its step uses
         if not w.n_micro: w.begin(n, loss_reduction(learn.loss_func) == 'sum', learn.dls.train.bs if is_distributed(learn.model) else None,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math, warnings
 
 from .distributed import is_fsdp
+from .losses import counting_note
 from .micro.loader import batch_sizes
 from .schedule import windows_started
 
-__all__ = ['warn_at_fit_start']
+__all__ = ['warn_at_fit_start', 'warn_counting']
 
 def warn_at_fit_start(ga, bs):
     "Each of the warnings below, once (`ga.said`, the keys of what the callback has said: one about the window's size)"
@@ -88,3 +89,10 @@ def _sharded_by_hand(ga):
                   "`load` and `export` are fastai's, which write and read one rank's shard: call `learn.fsdp_checkpoints()` "
                   "once for files of the whole model", stacklevel=3)
     ga.said.add('fsdp')
+
+def warn_counting(ga):
+    """At a fit's first micro-batch (the loss is needed to tell), once: a loss whose count this library cannot know where
+    one other than the batch size is likely (a model's own loss it cannot match, -100 in the targets of an unknown loss)"""
+    ga.said.add('count')
+    note = counting_note(ga.learn, ga.n_items)
+    if note: warnings.warn(f"GradientAccumulation: {note}", stacklevel=3)

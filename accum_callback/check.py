@@ -4,7 +4,8 @@ an experiment that switches the suspect off and sees the difference vanish, neve
 check works on a copy of the model: the Learner (weights, buffers, optimizer, RNG states, gradients, train/eval mode,
 callbacks) is left exactly as it was."""
 from __future__ import annotations
-import math
+import dataclasses, math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .compat import BatchNormBase
 from .distributed import is_fsdp
-from .losses import loss_reduction
+from .losses import loss_reduction, model_loss
 from .micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
 from .micro.loader import model_device
 from .compat import rngs_kept
@@ -175,11 +176,12 @@ class Experiments(Replay):
     @torch.no_grad()
     def outputs(self, idxs, bn:bool, drop:bool)->tuple[float,list]:
         """Relative difference between what the loss sees (the output through the callbacks' `after_pred`) of the
-        micro-batches `idxs` run one after the other and of one batch of them, and the micro-batches' outputs"""
+        micro-batches `idxs` run one after the other and of one batch of them, compared row by row (`_row_diff`: outputs
+        padded to other widths, output objects), and the micro-batches' outputs"""
         whole = self.whole(idxs, bn, drop)
         m = self.fresh(); self.modes(m, bn, drop)
         with self._ctx(m): preds = [self._seen(m(*xb), xb, yb) for xb,yb in self.pieces(m, idxs)]
-        return _rel(flat_out(cat_outputs(preds)), flat_out(whole)),preds
+        return _row_diff(preds, [e-s for s,e,_ in (self.where[i] for i in idxs)], whole),preds
 
     @torch.no_grad()
     def whole(self, idxs, bn:bool, drop:bool):
@@ -192,12 +194,17 @@ class Experiments(Replay):
     def loss_split(self, preds:list)->tuple[float,float]:
         """The loss of the experiment's micro-batches together against their own losses, on the same predictions `preds`
         (those of the deterministic `outputs(exp, False, False)` run): (error of the counts-weighted mean the Learner
-        uses, error of a plain sum)"""
+        uses, error of a plain sum). The whole's predictions are the parts' joined, or where they cannot be joined
+        (padded to other widths) or carry a loss of their own (a Hugging Face model's: computed from the whole batch),
+        one batch of them run as the parts ran"""
         lf,bs,(_,yb_all) = self.learn.loss_func,[self.batches[i] for i in self.exp],self.joined(self.exp)
-        big = float(lf(cat_outputs(preds), *yb_all))   # the same predictions, as one batch
+        try: joined = None if model_loss(preds[0]) is not None else cat_outputs(preds)
+        except (TypeError, RuntimeError): joined = None
+        big = float(lf(joined if joined is not None else self.whole(self.exp, False, False), *yb_all))
         ls,ns = [],[]
         for p,(xb,yb) in zip(preds, bs):
-            ls.append(float(lf(p, *yb))); ns.append(self.count(xb, yb, p, None))
+            l = lf(p, *yb)
+            ls.append(float(l)); ns.append(self.count(xb, yb, p, l))
         if loss_reduction(lf) == 'sum': mean = sum(ls)
         else: mean = sum(l*n for l,n in zip(ls, ns) if n > 0)/max(sum(ns), 1e-30)
         d = max(abs(big), 1e-30)
@@ -224,12 +231,40 @@ def _worst(names, sizes, a, b, tol, k=3)->list:
     judged = [i for i in range(len(e)) if max(float(na[i]), float(nb[i])) > floor or not math.isfinite(e[i])]
     return [(names[i], e[i]) for i in sorted(judged, key=lambda i: -e[i] if math.isfinite(e[i]) else -math.inf)[:k] if e[i] > tol]
 
+def _leaves(o)->list:
+    """The tensors of a model output with a batch dimension, in order: a tensor; the elements of tuples and lists; the
+    values of dicts (a Hugging Face `ModelOutput`), the fields of dataclasses. A 0-d tensor (a loss the model computed
+    over its whole batch) and anything else (a key-value cache object) are left out: no row of them is one sample's"""
+    if isinstance(o, torch.Tensor): return [o] if o.ndim else []
+    if isinstance(o, (tuple, list)): return [t for x in o for t in _leaves(x)]
+    if isinstance(o, Mapping): return _leaves(list(o.values()))
+    if dataclasses.is_dataclass(o) and not isinstance(o, type): return _leaves([getattr(o, f.name) for f in dataclasses.fields(o)])
+    return []
+
 def _half_sq(o):
-    "Half the sum of squares of the floating tensors of an output (a tensor, or tuples, lists and dicts of them)"
-    if isinstance(o, torch.Tensor): return 0.5*o.double().square().sum() if o.is_floating_point() else 0.
-    if isinstance(o, (tuple, list)): return sum((_half_sq(x) for x in o), 0.)
-    if isinstance(o, dict): return _half_sq(list(o.values()))
-    return 0.
+    "Half the sum of squares of the floating tensors of an output that have a batch dimension (`_leaves`)"
+    return sum((0.5*t.double().square().sum() for t in _leaves(o) if t.is_floating_point()), 0.)
+
+def _crop(a:torch.Tensor, b:torch.Tensor)->tuple:
+    """`a` and `b` cut to their common shape, where a micro-batch's output and the whole's rows of it are padded to other
+    widths: aligned at the start (right padding) or at the end (left padding), whichever differs least"""
+    if a.shape == b.shape or a.ndim != b.ndim: return a,b
+    shape = [min(x, y) for x,y in zip(a.shape, b.shape)]
+    head = lambda t: t[tuple(slice(0, n) for n in shape)]
+    tail = lambda t: t[tuple(slice(t.shape[i]-n, t.shape[i]) for i,n in enumerate(shape))]
+    return min(((head(a), head(b)), (tail(a), tail(b))), key=lambda p: float((p[0].double()-p[1].double()).norm()))
+
+def _row_diff(parts:list, rows:list, whole)->float:
+    """Relative difference between the outputs of micro-batches (`parts`, of `rows` rows each) and the rows of one batch
+    of them (`whole`), leaf by leaf (`_leaves`), each pair cut to its common width (`_crop`)"""
+    w,a,b,r = _leaves(whole),[],[],0
+    for p,n in zip(parts, rows):
+        for x,y in zip(_leaves(p), w):
+            if not x.is_floating_point(): continue
+            x,y = _crop(x.detach().double(), y[r:r+n].detach().double())
+            a.append(x.reshape(-1)); b.append(y.reshape(-1))
+        r += n
+    return _rel(torch.cat(a), torch.cat(b)) if a else 0.
 
 def _rel(a, b)->float:
     "Relative L2 error of `a` against `b` (inf where either is not finite)"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import gc, warnings
 
 import torch
-from fastai.torch_core import find_bs
 
 from ..distributed import is_fsdp, unwrap
 from ..losses import loss_items, loss_reduction
-from .pieces import cat_outputs, first_line, halved, is_out_of_memory, piece_bounds, slice_batch
+from .pieces import batch_size, cat_outputs, first_line, halved, is_out_of_memory, piece_bounds, slice_batch
 from .state import RowStates, stateful_modules
 
 __all__ = ['InferenceCutter']
@@ -35,7 +34,7 @@ class InferenceCutter:
 
     def _cut(self, fn, args, kw, pieces):
         "`fn(*args, **kw)` on the whole batch, or in `pieces(fn, args, kw, n, size)` after an out-of-memory error, halving"
-        n = find_bs(args)
+        n = batch_size(args) or 1
         while True:
             size = self.size
             try:

@@ -7,7 +7,7 @@ import torch
 
 from ..compat import OutOfMemoryError
 
-__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line']
+__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line', 'batch_size']
 
 _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
               'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
@@ -54,6 +54,13 @@ def slice_batch(b, s:int, e:int):
     raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
                     "only tensors and tuples, lists and dicts of them (give the loader micro-batches instead, with `n_step`)")
 
+def batch_size(b)->int|None:
+    """The rows of a batch or a model output: the first dimension of its first tensor that has one, through tuples, lists
+    and dicts (a Hugging Face `ModelOutput` starts with its 0-d `loss`, where fastai's `find_bs` fails)"""
+    if isinstance(b, torch.Tensor): return b.shape[0] if b.ndim else None
+    vals = b.values() if isinstance(b, Mapping) else b if isinstance(b, (tuple, list)) else ()
+    return next((n for n in map(batch_size, vals) if n is not None), None)
+
 def cat_outputs(outs:list):
     "The model outputs of consecutive pieces of a batch joined along the first dimension (tensors, tuples, lists, dicts)"
     o = outs[0]
@@ -61,7 +68,10 @@ def cat_outputs(outs:list):
         if o.ndim == 0: raise TypeError("the model returns a 0-d tensor: its output cannot be joined over micro-batches")
         return torch.cat(outs)
     if isinstance(o, (tuple, list)): return type(o)(cat_outputs(list(z)) for z in zip(*outs))
-    if isinstance(o, dict): return type(o)((k, cat_outputs([d[k] for d in outs])) for k in o)
+    if isinstance(o, Mapping):
+        d = {k: cat_outputs([x[k] for x in outs]) for k in o}
+        try: return type(o)(d)
+        except TypeError: return d
     if o is None: return None
     raise TypeError(f"the model returns a {type(o).__name__}: only tensors, tuples, lists and dicts of them can be joined "
                     "over micro-batches")

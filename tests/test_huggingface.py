@@ -1,0 +1,204 @@
+"""(Modules `losses`, `check`, `micro`.) Hugging Face models in a fastai Learner (issue 62): tiny configs with random
+weights, nothing downloaded. An encoder classifier (BERT), a causal LM (GPT-2) and an encoder-decoder (T5); dict inputs
+(`input_ids`, `attention_mask`, `labels`, blurr's and HF's batches) and tuple inputs; the model's own loss
+(`loss_func=lambda out, *y: out.loss`) and `CrossEntropyLossFlat(ignore_index=-100)`; texts padded per batch to their
+longest, labels -100 at padding. Every optimizer step against one batch of the same samples (float64), the check's
+verdicts, `micro_bs`, a resume, the noise scale."""
+import warnings
+
+import pytest
+import torch, torch.nn as nn
+from fastai.callback.core import Callback
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.optimizer import SGD
+
+from accum_callback import Checkpoint, GradientAccumulation, GradientNoiseScale
+
+T = pytest.importorskip('transformers')
+V,IGNORE = 40,-100
+KINDS = ('bert', 'gpt2', 't5')
+
+def hf_model(kind, dropout=0., seed=0):
+    "A tiny model of `kind`, random weights"
+    torch.manual_seed(seed)
+    if kind == 'gpt2':
+        c = T.GPT2Config(vocab_size=V, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=dropout, embd_pdrop=dropout,
+                         attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+        return T.GPT2LMHeadModel(c)
+    if kind == 'bert':
+        c = T.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                         num_labels=3, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, max_position_embeddings=32)
+        return T.BertForSequenceClassification(c)
+    c = T.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=dropout,
+                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T.T5ForConditionalGeneration(c)
+
+def texts(kind, n=16, seed=1, learnable=False):
+    "`n` (token ids, target) of 3 to 11 tokens: a class for BERT, the text itself for GPT-2, its reverse for T5"
+    g,out = torch.Generator().manual_seed(seed),[]
+    for _ in range(n):
+        L = int(torch.randint(3, 12, (1,), generator=g))
+        ids = (torch.arange(L) + int(torch.randint(2, V-12, (1,), generator=g))) if learnable else torch.randint(2, V, (L,), generator=g)
+        out.append((ids, int(torch.randint(0, 3, (1,), generator=g)) if kind == 'bert' else ids.flip(0) if kind == 't5' else ids.clone()))
+    return out
+
+def collate(kind, dict_input, shift):
+    """Pad a batch to its longest text. Labels -100 at padding; for GPT-2 with `shift`, labels moved one to the left (what
+    `CrossEntropyLossFlat` on its logits needs; its own loss shifts them itself)"""
+    def f(b):
+        W = max(max(len(x), len(y) if torch.is_tensor(y) else 0) for x,y in b)
+        ids,mask = torch.zeros(len(b), W, dtype=torch.long),torch.zeros(len(b), W, dtype=torch.long)
+        lab = torch.tensor([y for _,y in b]) if kind == 'bert' else torch.full((len(b), W), IGNORE)
+        for i,(x,y) in enumerate(b):
+            ids[i,:len(x)] = x; mask[i,:len(x)] = 1
+            if kind != 'bert': lab[i,:len(y)] = y
+        if kind == 'gpt2' and shift: lab = torch.cat([lab[:, 1:], torch.full((len(b), 1), IGNORE)], 1)
+        if dict_input: return ({'input_ids': ids, 'attention_mask': mask, 'labels': lab}, lab)
+        return (ids, mask, lab, lab) if kind == 't5' else (ids, mask, lab)   # (T5's decoder reads its inputs from the labels)
+    return f
+
+class OwnLoss(nn.Module):
+    "blurr's way: the batch's dict to the model, which computes its loss from `labels`"
+    def __init__(self, hf): super().__init__(); self.hf = hf
+    def forward(self, x): return self.hf(**x)
+
+class Logits(nn.Module):
+    "The logits, from a dict (labels given to T5 for its decoder inputs only) or from `(input_ids, attention_mask)`"
+    def __init__(self, hf): super().__init__(); self.hf = hf
+    def forward(self, x, mask=None, labels=None):
+        if mask is not None: x = dict(input_ids=x, attention_mask=mask, labels=labels)
+        keep = ('input_ids', 'attention_mask') + (('labels',) if isinstance(self.hf, T.T5ForConditionalGeneration) else ())
+        return self.hf(**{k: v for k,v in x.items() if k in keep}).logits
+
+class LabelsInTuple(nn.Module):
+    "Its own loss, from labels given as a plain argument: the library cannot see what it averages over"
+    def __init__(self, hf): super().__init__(); self.hf = hf
+    def forward(self, ids, mask, labels): return self.hf(input_ids=ids, attention_mask=mask, labels=labels)
+
+def own_loss(out, *y): return out.loss
+
+class Smoothing(Callback):
+    "Let the Recorder's loss smoothing take the loss's dtype (float64 from BERT's own loss, float32 from a causal LM's)"
+    order = 49   # before the Recorder's `after_batch`
+    def after_batch(self):
+        sl = self.learn.recorder.smooth_loss
+        sl.val = sl.val.to(self.learn.loss.dtype)
+
+def learner(kind, setup='dict_own', bs=4, cbs=(), n=16, dtype=torch.float64, dropout=0., shuffle=False, learnable=False, lr=0.1):
+    """`setup`: 'dict_own' (dict inputs, the model's own loss), 'dict_ce' / 'tuple_ce' (CrossEntropyLossFlat on the
+    logits), 'tuple_own' (labels as a plain argument, the model's own loss)"""
+    inp,loss = setup.split('_')
+    ds = texts(kind, n, learnable=learnable)
+    f = collate(kind, inp == 'dict', loss == 'ce')
+    if setup == 'tuple_own' and kind != 't5': g = f; f = lambda b: (lambda ids, mask, lab: (ids, mask, lab, lab))(*g(b))
+    dls = DataLoaders(DataLoader(ds, bs=bs, create_batch=f, shuffle=shuffle), DataLoader(ds[:4], bs=4, create_batch=f), device='cpu')
+    dls.n_inp = 1 if inp == 'dict' else 2 + (setup == 'tuple_own' or kind == 't5')
+    hf = hf_model(kind, dropout).to(dtype)
+    model = OwnLoss(hf) if setup == 'dict_own' else LabelsInTuple(hf) if setup == 'tuple_own' else Logits(hf)
+    cbs = list(cbs) + [Smoothing()]
+    learn = Learner(dls, model, loss_func=own_loss if loss == 'own' else CrossEntropyLossFlat(ignore_index=IGNORE),
+                    opt_func=SGD, lr=lr, cbs=cbs)
+    learn.recorder.train_metrics = False
+    return learn
+
+class Steps(Callback):
+    "The weights after every optimizer step"
+    order = 99
+    def before_fit(self): self.weights = []
+    def after_step(self): self.weights.append(torch.cat([p.detach().reshape(-1).clone() for p in self.model.parameters()]))
+
+def stepped(learn, n_epoch=1):
+    learn.add_cb(s := Steps())
+    with learn.no_logging(), warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*(loss_type|bos_token_id|eos_token_id).*')   # (transformers' remarks on tiny configs)
+        learn.fit(n_epoch)
+    return s.weights
+
+def worst(a, b)->float: return max(float((x-y).abs().max()/y.abs().max()) for x,y in zip(a, b))
+
+CUTS = {'n_step': (4, dict(n_step=2)), 'micro_bs': (8, dict(n_step=1, micro_bs=2)), 'auto': (8, dict(n_step=1, micro_bs='auto'))}
+
+@pytest.mark.parametrize('cut', ['n_step', 'micro_bs'])
+@pytest.mark.parametrize('setup', ['dict_own', 'dict_ce', 'tuple_ce'])
+@pytest.mark.parametrize('kind', KINDS)
+def test_every_step_is_one_batch_of_the_same_samples(kind, setup, cut):
+    """Windows of 8 texts (two loader batches of 4, or loader batches of 8 cut in 4 pieces of 2) against loader batches of
+    8, float64: every optimizer step's weights within 1e-8 relative (measured: 1e-9 at most; T5 normalises in float32). The
+    model's own loss too, with no `n_items`: its count (the labels not -100, shifted for a causal LM) is found"""
+    bs,ga = CUTS[cut]
+    acc = stepped(learner(kind, setup, bs, [GradientAccumulation(**ga)]))
+    one = stepped(learner(kind, setup, 8))
+    assert len(acc) == len(one) == 2 and worst(acc, one) < 1e-8, worst(acc, one)
+
+@pytest.mark.parametrize('kind', ['gpt2', 't5'])
+def test_the_count_matters_so_the_comparison_can_fail(kind):
+    "The same windows weighed by rows (the batch-size rule) are far off: the count is what makes them exact"
+    from fastai.torch_core import find_bs
+    acc = stepped(learner(kind, 'dict_own', 4, [GradientAccumulation(n_step=2, n_items=lambda learn: find_bs(learn.yb))]))
+    one = stepped(learner(kind, 'dict_own', 8))
+    assert worst(acc, one) > 1e-4, worst(acc, one)
+
+def test_auto_micro_bs_on_dict_batches():
+    "micro_bs='auto' on dict inputs: each loader batch one piece (nothing ran out of memory), the same steps"
+    acc = stepped(learner('gpt2', 'dict_own', 8, [GradientAccumulation(**CUTS['auto'][1])]))
+    one = stepped(learner('gpt2', 'dict_own', 8))
+    assert worst(acc, one) < 1e-8
+
+@pytest.mark.parametrize('setup', ['dict_own', 'tuple_ce'])
+@pytest.mark.parametrize('kind', KINDS)
+def test_the_check_says_exact(kind, setup):
+    "float32, as users train: exact within float32's tolerance, no cause, on outputs padded to other widths and ModelOutputs"
+    r = learner(kind, setup, 4, [GradientAccumulation(n_step=2)], dtype=torch.float32).check_accumulation()
+    assert r.exact and r.causes == () and r.rel_error <= r.tol == 1e-5, r
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_the_check_names_dropout(kind):
+    r = learner(kind, 'dict_own', 4, [GradientAccumulation(n_step=2)], dtype=torch.float32, dropout=0.1).check_accumulation()
+    assert not r.exact and r.causes == ('dropout',), r
+
+@pytest.mark.parametrize('kind', ['gpt2', 't5'])
+def test_a_loss_it_cannot_count_is_said_at_fit_start_and_named_by_the_check(kind):
+    """The model's own loss from labels given as a plain argument: nothing tells the library what it averages over. The
+    fit's first micro-batch says so, once; the check names `n_items`; with `n_items` it is exact"""
+    learn = learner(kind, 'tuple_own', 4, [GradientAccumulation(n_step=2)], dtype=torch.float32)
+    r = learn.check_accumulation()
+    assert not r.exact and r.causes == ('n_items',), r
+    with pytest.warns(UserWarning, match=r"its own loss .*n_items=") as w: stepped(learn)
+    assert len([x for x in w if 'own loss' in str(x.message)]) == 1
+    count = lambda learn: (learn.yb[0][..., 1 if kind == 'gpt2' else 0:] != IGNORE).sum()
+    learn = learner(kind, 'tuple_own', 4, [GradientAccumulation(n_step=2, n_items=count)], dtype=torch.float32)
+    assert learn.check_accumulation().exact
+
+def test_an_unknown_loss_with_ignored_targets_is_said():
+    "A loss function the library does not know, targets holding -100: said at fit start (the check names n_items)"
+    learn = learner('gpt2', 'tuple_ce', 4, [GradientAccumulation(n_step=2)], dtype=torch.float32)
+    ce = nn.functional.cross_entropy
+    learn.loss_func = lambda out, y: ce(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    assert learn.check_accumulation().causes == ('n_items',)
+    with pytest.warns(UserWarning, match=r"not one this library knows, and the targets hold -100"): stepped(learn)
+
+def test_resumed_bitwise(tmp_path):
+    "GPT-2, its own loss, dict batches, shuffled: stopped mid-window and run again, the uninterrupted run's weights"
+    from fastai.torch_core import set_seed
+    class Stop(Callback):
+        order = 99
+        def after_batch(self):
+            if self.training and self.epoch == 1 and self.iter == 1: raise KeyboardInterrupt
+    set_seed(0); ref = stepped(learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3)], shuffle=True), 2)
+    set_seed(0); cut = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3), Checkpoint(tmp_path, batches=1), Stop()], shuffle=True)
+    with pytest.raises(KeyboardInterrupt): stepped(cut, 2)
+    set_seed(0); again = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3), cb := Checkpoint(tmp_path, batches=1)], shuffle=True)
+    stepped(again, 2)
+    assert cb.resumed_from is not None
+    assert torch.equal(torch.cat([p.reshape(-1) for p in again.model.parameters()]), ref[-1])
+
+def test_noise_scale_on_gpt2():
+    """Finite and positive on text with something to learn (counting sequences); on random tokens the mean gradient can be
+    lost in the noise, where B_simple is inf by definition (docs/noise_scale.md)"""
+    learn = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=4), gns := GradientNoiseScale()], n=64,
+                    dtype=torch.float32, shuffle=True, learnable=True, lr=0.5)
+    stepped(learn, 2)
+    assert gns.n_measured == 8 and 0 < gns.b_simple < float('inf'), gns.b_simple_history
