@@ -33,7 +33,7 @@ from .micro.loader import ReadAhead, can_skip
 from .checkpoint_format import (MAGIC, CheckpointError, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_state import (callback_states, carried_state, fit_arguments, load_carried_state, loader_orders, loader_rngs, plain_numbers,
-                        restore_recorder, set_loader_orders, set_loader_rngs, check_fit_state, fit_signature)
+                        restore_recorder, set_loader_orders, set_loader_rngs, settle_loaders, check_fit_state, fit_signature)
 from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
 from .files import keep_copy, remove_stale_parts, writable_folder
@@ -328,8 +328,8 @@ class Checkpoint(Callback):
         warnings.warn(f"Checkpoint: resuming {self.resumed_from} with {what} (strict=False): not the run it would have been")
 
     def _load(self, st:dict):
-        learn = self.learn
-        model = unwrap(learn.model)
+        learn,model = self.learn,unwrap(self.learn.model)
+        settle_loaders(learn.dls)   # (before the RNGs are put back)
         if st.get('sharded'): st = load_sharded(self.folder, st, learn.model, learn.opt)
         with torch.no_grad():
             sd = model.state_dict()

@@ -12,7 +12,7 @@ from .micro import stateful_modules
 
 _RECORDER_KEYS = ('lrs', 'iters', 'losses', 'values')
 
-__all__ = ['check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'loader_orders',
+__all__ = ['check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'settle_loaders', 'loader_orders',
            'set_loader_orders', 'restore_recorder', 'plain_numbers']
 
 def callback_states(learn, skip)->list:
@@ -42,6 +42,15 @@ def _loaders(dl)->list:
         seen.add(id(dl)); out.append(dl)
         dl = dl.__dict__.get('dl') if hasattr(dl, '__dict__') else None
     return out
+
+def settle_loaders(dls):
+    """What a loader computes once, lazily, done now: fastai's `TfmdDL` runs one pass of its transforms the first time its
+    `n_inp` is read (the first batch's `Learner._split`), and random transforms in that pass draw from the global RNGs. The
+    uninterrupted run drew them at its first batch, before any checkpoint: a resumed one must draw them before the RNGs
+    are put back, not at its first batch after (they shifted every later draw; issue 61)"""
+    for dl in getattr(dls, 'loaders', None) or []:
+        try: getattr(dl, 'n_inp', None)
+        except Exception: pass   # (a loader that cannot make an item without data: it computes nothing lazily either)
 
 def loader_rngs(dl)->list: return [l.rng.getstate() if hasattr(l, 'rng') and hasattr(l.rng, 'getstate') else None for l in _loaders(dl)]
 def set_loader_rngs(dl, states:list):
