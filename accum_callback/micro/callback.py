@@ -172,7 +172,11 @@ class MicroBatching(Callback, Companion):
         if oom: raise PeerOutOfMemory('another rank ran out of memory in this micro-batch')
 
     def after_batch(self):
-        "Progress counts loader batches, as without micro-batches (schedules see the same)"
+        """Progress counts loader batches, as without micro-batches (schedules see the same). After a loader batch's last
+        piece (never retried once here: an out-of-memory error skips `after_batch`) the model carries the whole batch's
+        rows again, before a checkpoint (order 95) saves them (it saved the last piece's rows: issue 61, item 8)"""
+        piece = self.piece
+        if piece is not None and piece.last_piece and self.rows.n is not None: self.rows.end()
         p = self.loader.progress() if self.loader is not None else None
         if p is not None: self.learn.pct_train = (self.learn.epoch + p)/self.learn.n_epoch
 
