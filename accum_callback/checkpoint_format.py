@@ -3,7 +3,7 @@ written as plain types (tensors, numbers, strings, bytes, lists, tuples, dicts),
 dicts made again from a fixed table on reading, and read with `torch.load(weights_only=True)`; the file carries a magic
 line, its length and a CRC-32 (against cuts and damage only: anyone can compute them) and is written atomically."""
 from __future__ import annotations
-import collections, enum, io, math, pickle, struct, zlib
+import collections, enum, io, math, os, pickle, struct, zlib
 from pathlib import Path
 
 import torch
@@ -146,20 +146,36 @@ def _unsupported(e)->str:
     lines = [l.strip() for l in str(e).splitlines() if 'Unsupported' in l or 'WeightsUnpickler' in l]
     return (lines[0] if lines else str(e).splitlines()[0])[:240]
 
+class _Past:
+    "The file `f` from byte `h` on, as a file of its own (what `torch.load` reads: the checkpoint after its header)"
+    def __init__(self, f, h:int): self.f,self.h = f,h
+    def read(self, n:int=-1)->bytes: return self.f.read(n)
+    def readinto(self, b)->int: return self.f.readinto(b)
+    def readable(self)->bool: return True
+    def seekable(self)->bool: return True
+    def tell(self)->int: return self.f.tell() - self.h
+    def seek(self, pos:int, whence:int=0)->int: return self.f.seek(pos + self.h if whence == 0 else pos, whence) - self.h
+
 def read_checkpoint(path)->dict:
-    "The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged"
-    raw = Path(path).read_bytes()
+    """The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged.
+    The CRC is computed reading the file in chunks, and `torch.load` reads the tensors from the file itself: the peak is
+    the tensors, about the file's size (it was 3 times: the bytes, a copy, the tensors)"""
     h = len(MAGIC) + 12
-    if not raw.startswith(MAGIC) or len(raw) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
-    crc,n = struct.unpack('<IQ', raw[len(MAGIC):h])
-    data = raw[h:]
-    if len(data) != n: raise CheckpointError(f"{path}: cut short ({len(data)} of {n} bytes)")
-    if zlib.crc32(data) != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")
-    try: st = torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)   # (runs no code: see `_plain_state`)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
-                               f"containers, which loading would run as code ({_unsupported(e)})") from None
-    except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {str(e)[:200]})") from None
+    with open(path, 'rb') as f:
+        head = f.read(h)
+        if not head.startswith(MAGIC) or len(head) < h: raise CheckpointError(f"{path}: not a checkpoint, or cut short")
+        crc,n = struct.unpack('<IQ', head[len(MAGIC):h])
+        size = os.fstat(f.fileno()).st_size - h
+        if size != n: raise CheckpointError(f"{path}: cut short or grown ({size} bytes after its header, of {n})")
+        c = 0
+        while chunk := f.read(1 << 22): c = zlib.crc32(chunk, c)
+        if c != crc: raise CheckpointError(f"{path}: damaged (CRC-32 differs)")
+        f.seek(h)
+        try: st = torch.load(_Past(f, h), map_location='cpu', weights_only=True)   # (runs no code: see `_plain_state`)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
+                                   f"containers, which loading would run as code ({_unsupported(e)})") from None
+        except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(st, dict): raise CheckpointError(f"{path}: holds a {type(st).__name__}, not the state of a fit")
     try: return from_plain(st)
     except CheckpointError as e: raise CheckpointError(f"{path}: {e}") from None
