@@ -50,10 +50,17 @@ def plain_state(o, where:str='state'):
     if name in _OWN_TYPES:
         if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': name, 'value': o.value}
         return {_TAG: 'tuple', 'type': name, 'value': [plain_state(v, where) for v in o]}
-    if isinstance(o, np.ndarray): return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': o.ravel().tolist()}
+    if isinstance(o, np.ndarray):   # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
+        fits = o.dtype.kind in 'bif' or (o.dtype.kind == 'u' and o.dtype.itemsize < 8)
+        value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f' else np.int64).ravel()) if fits else o.ravel().tolist()
+        return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': value}
     if isinstance(o, np.generic): return o.item()
     if isinstance(o, L): return {_TAG: 'L', 'value': [plain_state(v, where) for v in o]}
-    if type(o) in (list, tuple): return type(o)(plain_state(v, f'{where}[{i}]') for i,v in enumerate(o))
+    if type(o) in (list, tuple):
+        if len(o) >= 64 and all(type(v) is int for v in o):   # (Python's RNG states: 625 ints, as one tensor, not 625 objects)
+            try: return {_TAG: 'ints', 'type': type(o).__name__, 'value': torch.tensor(o, dtype=torch.int64)}
+            except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
+        return type(o)(plain_state(v, f'{where}[{i}]') for i,v in enumerate(o))
     if type(o) in (dict, collections.OrderedDict):
         if _TAG in o: raise CheckpointError(f"Checkpoint: {where} holds the key {_TAG!r}, which the checkpoint format reserves")
         return type(o)((k, plain_state(v, f'{where}[{k!r}]')) for k,v in o.items())
@@ -101,11 +108,19 @@ def _ndarray(o:dict):
     except TypeError as e: raise CheckpointError(f"a checkpoint's array names an unknown dtype: {e}") from None
     if dt.kind not in _NUMERIC_KINDS or dt.itemsize > 16:
         raise CheckpointError(f"a checkpoint's array has dtype {dt.str!r}: only booleans and numbers are read")
-    shape,value = _field(o, 'shape', list, 'array'),_field(o, 'value', list, 'array')
+    shape,value = _field(o, 'shape', list, 'array'),_field(o, 'value', (list, torch.Tensor), 'array')
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 1 or value.dtype not in (torch.int64, torch.float64):
+            raise CheckpointError(f"a checkpoint's array holds a {value.dtype} tensor of {value.ndim} dimensions")
+        value = value.numpy()
     if not all(type(n) is int and n >= 0 for n in shape) or math.prod(shape) != len(value):
         raise CheckpointError(f"a checkpoint's array has shape {shape!r} for {len(value)} values")
-    if not all(type(v) in (bool, int, float, complex) for v in value):
+    if isinstance(value, list) and not all(type(v) in (bool, int, float, complex) for v in value):
         raise CheckpointError("a checkpoint's array holds values other than numbers")
+    if not isinstance(value, list) and len(value) and dt.kind in 'biu':   # (numpy would wrap what does not fit, silently)
+        lo,hi = (0, 1) if dt.kind == 'b' else (np.iinfo(dt).min, np.iinfo(dt).max)
+        if value.dtype.kind != 'i' or value.min() < lo or value.max() > hi:
+            raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}")
     try: return np.array(value, dtype=dt).reshape(shape)
     except (OverflowError, ValueError, TypeError) as e: raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}: {e}") from None
 
@@ -116,6 +131,10 @@ def from_plain(o):
         tag = o.get(_TAG)
         if tag is None: return type(o)((k, from_plain(v)) for k,v in o.items())
         if tag == 'ndarray': return _ndarray(o)
+        if tag == 'ints':
+            v,kind = _field(o, 'value', torch.Tensor, "'ints'"),{'tuple': tuple, 'list': list}.get(o.get('type'))
+            if kind is None or v.ndim != 1 or v.dtype != torch.int64: raise CheckpointError("a checkpoint's 'ints' is malformed")
+            return kind(v.tolist())
         if tag == 'L': return L([from_plain(v) for v in _field(o, 'value', list, "'L'")])
         if tag == 'shard': return _field(o, 'value', torch.Tensor, 'shard').as_subclass(_Shard)
         if tag == 'tensor':
