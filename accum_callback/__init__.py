@@ -22,8 +22,8 @@ _MOVED = dict(
 # The submodules, each importing only those before it. `check` and `fsdp` add methods to fastai's `Learner`
 # (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together, so that
 # whichever name is used first, the Learner has them all.
-_LAYERS = ('modes', 'validate', 'compat', 'fastai_compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'global_order', 'window', 'window_log', 'checkpoint_format', 'guard', 'micro', 'plan', 'precise', 'bn_stats', 'replay',
-           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'noise_measure', 'fit_state', 'elastic', 'sharded_checkpoint', 'checkpoint', 'testing')
+_LAYERS = ('modes', 'validate', 'compat', 'fastai_compat', 'files', 'schedule', 'losses', 'norm_layers', 'distributed', 'global_order', 'window', 'window_log', 'checkpoint_format', 'guard', 'loaders', 'micro', 'plan', 'precise', 'bn_stats', 'replay',
+           'bn_check', 'advice', 'accumulate', 'batchnorm', 'check', 'fsdp', 'noise', 'noise_measure', 'fit_state', 'fit_place', 'elastic', 'sharded_checkpoint', 'checkpoint', 'testing')
 
 def _load_all():
     import warnings

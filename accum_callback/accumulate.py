@@ -15,7 +15,8 @@ from .guard import (BringsCallbacks, Listeners, WindowOwner, add_fit_guard, in_i
                     refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
 from .losses import check_n_items, count_dtype, loss_reduction, micro_items
 from .micro import MicroBatching, check_micro_bs, micro_batching
-from .micro.loader import CutLoader, ReadAhead
+from .loaders import ReadAhead
+from .micro.loader import CutLoader
 from .advice import warn_at_fit_start, warn_counting
 from .plan import WindowPlan
 from .schedule import PARTIAL_MODES

@@ -6,7 +6,7 @@ import math, warnings
 
 from .distributed import is_fsdp
 from .losses import counting_note
-from .micro.loader import batch_sizes
+from .loaders import batch_sizes
 from .schedule import windows_started
 
 __all__ = ['warn_at_fit_start', 'warn_counting']

@@ -19,7 +19,7 @@ from .compat import BatchNormBase
 from .distributed import is_fsdp
 from .losses import loss_reduction, model_loss
 from .micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
-from .micro.loader import model_device
+from .loaders import model_device
 from .compat import rngs_kept
 from .replay import Replay, flat_out, micro_batches, training_model
 from .validate import whole_number

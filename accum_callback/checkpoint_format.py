@@ -6,12 +6,14 @@ from __future__ import annotations
 import collections, enum, io, math, os, pickle, struct, zlib
 from pathlib import Path
 
+import numpy as np
 import torch
+from fastcore.foundation import L
 
 from .files import atomic_write
 from .window import Phase, StepRecord
 
-__all__ = ['MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
+__all__ = ['Plain', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
            'is_rank_shard']
 
 MAGIC = b'ACKPT1\n'   # a checkpoint file's first line
@@ -32,42 +34,61 @@ _OWN_TYPES = {f'{c.__module__}.{c.__qualname__}': c for c in (Phase, StepRecord)
 
 _PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
-def plain_state(o, where:str='state'):
-    "`o` as types `torch.load(weights_only=True)` reads; `CheckpointError` naming what cannot be"
-    import numpy as np
-    from fastcore.foundation import L
-    if o is None or type(o) in _PLAIN: return o
-    name = f'{type(o).__module__}.{type(o).__qualname__}'
+class _Unplain(Exception):
+    "What cannot be written (a message with `{}` for where it is), and the keys down to it, added on the way back up"
+    def __init__(self, what:str): self.what,self.keys = what,[]
+
+def plain_state(o, where:str='state', copy:bool=False):
+    """`o` as types `torch.load(weights_only=True)` reads; `CheckpointError` naming what cannot be. `copy`: every tensor
+    copied (a state written in the background while training changes the tensors it was taken from)"""
+    try: return _plain(o, copy)
+    except _Unplain as e: raise CheckpointError(e.what.format(where + ''.join(reversed(e.keys)))) from None
+
+def _plain(o, copy:bool):
+    "`plain_state`, without the path of keys (one string a value is not built: a checkpoint a step holds thousands)"
+    t = type(o)
+    if o is None or t in _PLAIN: return o
+    if t is list or t is tuple:
+        if len(o) >= 64 and all(type(v) is int for v in o):   # (Python's RNG states: 625 ints, as one tensor, not 625 objects)
+            try: return {_TAG: 'ints', 'type': t.__name__, 'value': torch.tensor(o, dtype=torch.int64)}
+            except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
+        out = []
+        for i,v in enumerate(o):
+            try: out.append(_plain(v, copy))
+            except _Unplain as e: e.keys.append(f'[{i}]'); raise
+        return t(out)
+    if t is dict or t is collections.OrderedDict:
+        if _TAG in o: raise _Unplain(f"Checkpoint: {{}} holds the key {_TAG!r}, which the checkpoint format reserves")
+        out = t()
+        for k,v in o.items():
+            try: out[k] = _plain(v, copy)
+            except _Unplain as e: e.keys.append(f'[{k!r}]'); raise
+        return out
+    name = f'{t.__module__}.{t.__qualname__}'
     if isinstance(o, torch.Tensor):
-        if type(o) in (torch.Tensor, torch.nn.Parameter): return o.detach()
+        if t is torch.Tensor or t is torch.nn.Parameter: return o.detach().clone() if copy else o.detach()
         if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):   # a DTensor (FSDP2's optimizer state): this rank's shard,
-            return {_TAG: 'shard', 'value': o.to_local().detach()}   # made a DTensor again like its parameter (`reshard`)
+            v = o.to_local().detach()                                # made a DTensor again like its parameter (`reshard`)
+            return {_TAG: 'shard', 'value': v.clone() if copy else v}
         # fastai's typed tensors (a batch read ahead: TensorImage, TensorCategory...): the data, and the type by name
         if _fastai_tensor(name) is None:
-            raise CheckpointError(f"Checkpoint: {where} is a {name}, a tensor subclass a checkpoint read without running "
-                                  "code cannot hold: give a plain tensor")
-        return {_TAG: 'tensor', 'type': name, 'value': o.detach().as_subclass(torch.Tensor)}
+            raise _Unplain(f"Checkpoint: {{}} is a {name}, a tensor subclass a checkpoint read without running code cannot "
+                           "hold: give a plain tensor")
+        v = o.detach().as_subclass(torch.Tensor)
+        return {_TAG: 'tensor', 'type': name, 'value': v.clone() if copy else v}
     if name in _OWN_TYPES:
         if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': name, 'value': o.value}
-        return {_TAG: 'tuple', 'type': name, 'value': [plain_state(v, where) for v in o]}
+        return {_TAG: 'tuple', 'type': name, 'value': [_plain(v, copy) for v in o]}
     if isinstance(o, np.ndarray):   # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
         fits = o.dtype.kind in 'bif' or (o.dtype.kind == 'u' and o.dtype.itemsize < 8)
         value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f' else np.int64).ravel()) if fits else o.ravel().tolist()
         return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': value}
     if isinstance(o, np.generic): return o.item()
-    if isinstance(o, L): return {_TAG: 'L', 'value': [plain_state(v, where) for v in o]}
-    if type(o) in (list, tuple):
-        if len(o) >= 64 and all(type(v) is int for v in o):   # (Python's RNG states: 625 ints, as one tensor, not 625 objects)
-            try: return {_TAG: 'ints', 'type': type(o).__name__, 'value': torch.tensor(o, dtype=torch.int64)}
-            except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
-        return type(o)(plain_state(v, f'{where}[{i}]') for i,v in enumerate(o))
-    if type(o) in (dict, collections.OrderedDict):
-        if _TAG in o: raise CheckpointError(f"Checkpoint: {where} holds the key {_TAG!r}, which the checkpoint format reserves")
-        return type(o)((k, plain_state(v, f'{where}[{k!r}]')) for k,v in o.items())
+    if isinstance(o, L): return {_TAG: 'L', 'value': [_plain(v, copy) for v in o]}
     if isinstance(o, (bool, int, float, str)) and not isinstance(o, enum.Enum):   # a subclass: its plain value
         return next(t for t in (bool, int, float, str) if isinstance(o, t))(o)
-    raise CheckpointError(f"Checkpoint: {where} holds a {name}, which a checkpoint read without running code cannot hold: "
-                          "give numbers, strings, tensors, lists, tuples and dicts (a callback's `state_dict()` included)")
+    raise _Unplain(f"Checkpoint: {{}} holds a {name}, which a checkpoint read without running code cannot hold: give "
+                   "numbers, strings, tensors, lists, tuples and dicts (a callback's `state_dict()` included)")
 
 class _Shard(torch.Tensor):
     "A DTensor's local shard as read from a checkpoint, until `_reshard` makes it a DTensor like its parameter"
@@ -103,7 +124,6 @@ def _field(o:dict, key:str, kind, what:str):
     return v
 
 def _ndarray(o:dict):
-    import numpy as np
     try: dt = np.dtype(_field(o, 'dtype', str, 'array'))
     except TypeError as e: raise CheckpointError(f"a checkpoint's array names an unknown dtype: {e}") from None
     if dt.kind not in _NUMERIC_KINDS or dt.itemsize > 16:
@@ -126,7 +146,6 @@ def _ndarray(o:dict):
 
 def from_plain(o):
     "What `plain_state` wrote, made again; `CheckpointError` for a tag that is malformed (nothing else is made)"
-    from fastcore.foundation import L
     if isinstance(o, dict):
         tag = o.get(_TAG)
         if tag is None: return type(o)((k, from_plain(v)) for k,v in o.items())
@@ -154,10 +173,16 @@ def from_plain(o):
     if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v) for v in o)
     return o
 
+class Plain:
+    "A state made plain already (`plain_state`, tensors copied), and the mode bits of its file: what a background write takes"
+    def __init__(self, value, perms:int|None=None): self.value,self.perms = value,perms
+
 def write_checkpoint(path:Path, obj)->int:
-    "Write `obj` (the state of a fit) to `path` atomically, as plain types with the header; returns the bytes written"
-    buf = io.BytesIO(); torch.save(plain_state(obj), buf); data = buf.getvalue()
-    with atomic_write(path) as f: f.write(MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
+    """Write `obj` (the state of a fit, or a `Plain` one) to `path` atomically, as plain types with the header; returns
+    the bytes written"""
+    plain = obj.value if isinstance(obj, Plain) else plain_state(obj)
+    buf = io.BytesIO(); torch.save(plain, buf); data = buf.getvalue()
+    with atomic_write(path, perms=getattr(obj, 'perms', None)) as f: f.write(MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
     return len(data)
 
 def _unsupported(e)->str:

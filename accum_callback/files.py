@@ -2,10 +2,10 @@
 it, the folder synced), so that a write cut at any byte leaves the last good file in place, never a part of a new one.
 Used by the checkpoints, and by the job for its image cache, metrics.json and the exported model."""
 from __future__ import annotations
-import contextlib, os, tempfile
+import contextlib, os, re, tempfile, threading
 from pathlib import Path
 
-__all__ = ['atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
+__all__ = ['serials', 'Background', 'new_file_perms', 'atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
 
 def fsync_dir(folder):
     "Make a rename in `folder` durable (a no-op where folders cannot be opened, e.g. Windows)"
@@ -21,6 +21,35 @@ def replace_durably(tmp, dest):
     os.replace(tmp, dest)
     fsync_dir(Path(dest).parent)
 
+def serials(folder, prefix:str, suffix:str)->list:
+    "The serial numbers of the files `<prefix><serial>.rank<r><suffix>` in `folder` (any rank's), sorted"
+    pat = re.compile(re.escape(prefix) + r'(\d+)\.rank\d+' + re.escape(suffix))
+    return sorted({int(m.group(1)) for f in Path(folder).glob(f'{prefix}*.rank*{suffix}') if (m := pat.fullmatch(f.name))})
+
+def new_file_perms()->int:
+    "The mode bits a new file gets from the umask (read here, in the thread that writes nothing: the umask is the process's)"
+    um = os.umask(0); os.umask(um)
+    return 0o666 & ~um
+
+class Background:
+    """One job at a time in a thread of its own (a checkpoint's file written while training goes on): `start(fn)` waits
+    for the one before, `wait()` returns what the last one returned and the exception it raised (or None)"""
+    def __init__(self): self.thread,self.out = None,(None, None)
+    def _run(self, fn):
+        try: self.out = (fn(), None)
+        except BaseException as e: self.out = (None, e)
+    def start(self, fn):
+        self.wait()
+        self.thread = threading.Thread(target=self._run, args=(fn,), name='accum_callback-writer', daemon=True)
+        self.thread.start()
+    @property
+    def busy(self)->bool: return self.thread is not None
+    def wait(self)->tuple:
+        if self.thread is None: return None,None
+        self.thread.join(); self.thread = None
+        out,self.out = self.out,(None, None)
+        return out
+
 @contextlib.contextmanager
 def atomic_write(path, mode:str='wb', perms:int|None=None):
     """Open a temporary file beside `path` for writing; when the block ends without an error it is flushed, synced to
@@ -34,10 +63,7 @@ def atomic_write(path, mode:str='wb', perms:int|None=None):
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush(); os.fsync(f.fileno())
-        if perms is None:
-            um = os.umask(0); os.umask(um)
-            perms = 0o666 & ~um
-        os.chmod(tmp, perms)
+        os.chmod(tmp, new_file_perms() if perms is None else perms)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:

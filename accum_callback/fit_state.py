@@ -3,17 +3,73 @@ fastai's trackers through an adapter), the training loader's RNG and order state
 to batch (what fastai's `ModelResetter` resets), and the Recorder's history. `Checkpoint` saves and restores them."""
 from __future__ import annotations
 
+import warnings
+
 import torch
+from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import TrackerCallback
 from fastai.torch_core import to_device
 
+from .checkpoint_format import reshard
+from .compat import local_tensor
+from .distributed import unwrap
 from .fastai_compat import train_metrics
 from .micro import stateful_modules
 
 _RECORDER_KEYS = ('lrs', 'iters', 'losses', 'values')
 
-__all__ = ['check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'settle_loaders', 'loader_orders',
-           'set_loader_orders', 'restore_recorder', 'plain_numbers']
+__all__ = ['refuse_changes', 'training_state', 'apply_training_state', 'check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'settle_loaders', 'loader_orders',
+           'set_loader_orders', 'restore_recorder', 'recorder_state', 'plain_numbers']
+
+def refuse_changes(old:dict, new:dict, f, strict:bool=True):
+    """A resume of the checkpoint `f`, whose fit's signature was `old`, where it is `new` now: refused naming what
+    changed (`strict`), or said in a warning; a model of other shapes is refused whatever `strict` says"""
+    from .checkpoint_format import CheckpointError
+    changed = [k for k in old if old.get(k) != new.get(k)]
+    if not changed: return
+    if 'model' in changed:
+        raise CheckpointError(f"Checkpoint: {f} is of a model of other shapes; start afresh with "
+                              "Checkpoint(..., resume=False) or another `path`")
+    what = '; '.join(f"{k}: {old[k]!r} then, {new.get(k)!r} now" for k in changed)
+    if strict:
+        raise CheckpointError(f"Checkpoint: cannot resume {f} exactly, {what}. Run the fit as it was, "
+                              "start afresh with Checkpoint(..., resume=False), or accept it with strict=False")
+    warnings.warn(f"Checkpoint: resuming {f} with {what} (strict=False): not the run it would have been", stacklevel=4)
+
+def _scaler(learn):
+    mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+    return getattr(mp, 'scaler', None) if mp is not None else None
+
+def training_state(learn, skip, whole:bool=True)->dict:
+    """What training has made, a piece of a fit's state: the model (`whole`; else nothing, a DCP folder holds it) and the
+    gradients a window has accumulated so far, the optimizer with fastai's hyper-parameters, the grad scaler, the
+    Recorder's history and every callback's state but `skip`'s (`callback_states`). Tensors as they are: a checkpoint
+    copies them (`checkpoint_format.plain_state(copy=True)`)"""
+    model,sc = unwrap(learn.model),_scaler(learn)
+    return dict(model={k: local_tensor(v) for k,v in model.state_dict().items()} if whole else {},
+                grads=[None if p.grad is None or not whole else local_tensor(p.grad) for p in model.parameters()],
+                opt=learn.opt.state_dict() if learn.opt is not None else None, scaler=sc.state_dict() if sc is not None else None,
+                recorder=recorder_state(learn.recorder), callbacks={k: get() for k,_,get,_ in callback_states(learn, skip)})
+
+@torch.no_grad()
+def apply_training_state(learn, st:dict, skip):
+    "Put back what `training_state` took (checked whole before: `check_fit_state`)"
+    model = unwrap(learn.model)
+    sd = model.state_dict()
+    for k,v in st['model'].items(): local_tensor(sd[k]).copy_(v)
+    for p,g in zip(model.parameters(), st['grads']):
+        if g is None: p.grad = None
+        elif p.grad is None: p.grad = g.to(local_tensor(p).device) if not hasattr(p, 'to_local') else None
+        else: local_tensor(p.grad).copy_(g)
+    if st['opt'] is not None and learn.opt is not None:
+        ps = [p for p,*_ in learn.opt.all_params(with_grad=False)]
+        if len(ps) == len(st['opt'].get('state', ())):   # (FSDP2: each parameter's state as its DTensor again)
+            st['opt']['state'] = [reshard(s_, p) for s_,p in zip(st['opt']['state'], ps)]
+        learn.opt.load_state_dict(st['opt'])
+    if st['scaler'] is not None and (sc := _scaler(learn)) is not None: sc.load_state_dict(st['scaler'])
+    restore_recorder(learn.recorder, st['recorder'])
+    for k,_,_,put in callback_states(learn, skip):
+        if k in st['callbacks']: put(st['callbacks'][k])
 
 def callback_states(learn, skip)->list:
     """`(key, callback, get, put)` for every callback on `learn` whose state a checkpoint keeps, by the protocol: one
@@ -111,10 +167,19 @@ def _update_declared(obj, saved:dict):
     for k,v in saved.items():
         if k in have and isinstance(v, (int, float, bool, torch.Tensor, type(None))): setattr(obj, k, v)
 
+def recorder_state(rec)->dict:
+    """The Recorder's history and running training metrics. Its losses (a 0-d tensor a batch) as one tensor: a checkpoint
+    a step of a long fit would otherwise pickle every loss so far, one object each, every time"""
+    out = {k: getattr(rec, k) for k in _RECORDER_KEYS if hasattr(rec, k)}
+    ls = out.get('losses')
+    if ls and all(isinstance(l, torch.Tensor) and l.ndim == 0 and l.dtype == ls[0].dtype and l.device == ls[0].device for l in ls):
+        out['losses'] = torch.stack(ls)
+    return dict(out, smooth=plain_numbers(rec.smooth_loss), mets=[plain_numbers(m) for m in train_metrics(rec)])
+
 def restore_recorder(rec, saved:dict):
-    "The Recorder's history and running training metrics as `Checkpoint._snapshot` saved them (those attributes only)"
+    "The Recorder's history and running training metrics as `recorder_state` took them (those attributes only)"
     for k in _RECORDER_KEYS:
-        if k in saved: setattr(rec, k, saved[k])
+        if k in saved: setattr(rec, k, list(saved[k].unbind()) if isinstance(saved[k], torch.Tensor) else saved[k])
     _update_declared(rec.smooth_loss, saved['smooth'])
     for m,d in zip(train_metrics(rec), saved['mets']): _update_declared(m, d)
 
@@ -167,7 +232,9 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=N
     rec = st.get('recorder')
     need(isinstance(rec, dict) and set(rec) <= {*_RECORDER_KEYS, 'smooth', 'mets'} and isinstance(rec.get('smooth'), dict)
          and isinstance(rec.get('mets'), list) and all(isinstance(m, dict) for m in rec['mets']), "'recorder' is malformed")
-    need(all(isinstance(rec.get(k, []), list) for k in _RECORDER_KEYS), "'recorder' is malformed")
+    need(all(isinstance(rec.get(k, []), list) for k in _RECORDER_KEYS if k != 'losses'), "'recorder' is malformed")
+    ls = rec.get('losses', [])
+    need(isinstance(ls, list) or (isinstance(ls, torch.Tensor) and ls.ndim == 1), "'recorder' is malformed")
     need(all(type(st.get(k, 0)) in (int, float) for k in ('pct_train', 'train_iter', 'opt_steps', 'iter_done')), 'a place number is malformed')
     need(st.get('ahead_device') is None or isinstance(st['ahead_device'], (torch.device, str)), "'ahead_device' is malformed")
     inner = learn.dls.train.__dict__.get('dl', learn.dls.train)

@@ -9,7 +9,7 @@ from .compat import compiled_with_cuda_graphs
 from .fastai_compat import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
-__all__ = ['WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['StopSignals', 'WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
@@ -71,6 +71,19 @@ class Listeners(list):
         if fn in self: self.remove(fn)
     def __call__(self, *args):
         for f in list(self): f(*args)
+
+class StopSignals:
+    """Signal handlers for the length of a fit: each of `names` ('SIGTERM', 'SIGINT') calls `asked(signum)` instead of
+    stopping the process at once (main thread only: Python runs handlers there); `remove()` puts the old ones back"""
+    def __init__(self, names, asked):
+        import signal, threading
+        self.old = {}
+        if not names or threading.current_thread() is not threading.main_thread(): return
+        for n in names: self.old[getattr(signal, n)] = signal.signal(getattr(signal, n), lambda sig, frame: asked(sig))
+    def remove(self):
+        import signal
+        for s,h in self.old.items(): signal.signal(s, h)
+        self.old = {}
 
 class FitGuard:
     """Wraps `learn._with_events` for the length of a `fit` (fastai looks it up for every epoch, after `before_fit`),

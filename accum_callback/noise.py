@@ -19,7 +19,7 @@ from fastai.learner import ValueMetric
 
 from .accumulate import GradientAccumulation
 from .micro import micro_batching
-from .micro.loader import model_device
+from .loaders import model_device
 from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
 from .distributed import fsdp_params, is_distributed, is_fsdp
 from .schedule import WindowSchedule

@@ -15,7 +15,8 @@ from fastcore.basics import patch
 from .accumulate import GradientAccumulation
 from .batchnorm import BatchNormAccumulation
 from .micro import micro_size, n_pieces
-from .micro.loader import batch_sizes, loader_pieces, own_loader
+from .loaders import batch_sizes, own_loader
+from .micro.loader import loader_pieces
 from .distributed import is_fsdp
 from .losses import loss_reduction
 from .window import Window

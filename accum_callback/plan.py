@@ -6,7 +6,7 @@ import math
 
 from .distributed import is_distributed, process_count
 from .global_order import check_fastai_sharding, check_window_share, global_samples, shard_by_window
-from .micro.loader import batch_sizes
+from .loaders import batch_sizes
 from .schedule import WindowClock, WindowSchedule, decide, window_arguments
 from .validate import flag
 

@@ -14,7 +14,8 @@ from .compat import BatchNormBase
 from .distributed import unwrap
 from .losses import loss_reduction, micro_items
 from .micro import RowStates, cat_outputs, copy_module, stateful_modules
-from .micro.loader import loader_pieces, model_device, own_loader
+from .loaders import model_device, own_loader
+from .micro.loader import loader_pieces
 from .norm_layers import is_batchnorm, set_norm_mode
 from .precise import rng_states, set_rng_states
 from .window import Window

@@ -193,9 +193,24 @@ def test_no_module_over_400_lines_and_gradient_accumulation_an_adapter():
     cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == 'GradientAccumulation')
     assert _code_lines(src, cls) <= 150, _code_lines(src, cls)
 
+def test_checkpoint_is_a_manager_of_pieces():
+    """Issue 61: `Checkpoint` says when, where and which file; the fit's state is pieces (`fit_place.FitPlace`,
+    `fit_state.training_state`, every callback's `state_dict()`), so its module imports none of the modules that define
+    `GradientAccumulation`, `BatchNormAccumulation`, `MicroBatching` (it finds the window's owner by `guard.WindowOwner`
+    and the piece being run on the loader), and the class is at most 200 code lines"""
+    import ast
+    src = (PKG/'checkpoint.py').read_text()
+    tree = ast.parse(src)
+    imported = {(n.module or '') for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    feature = {m for m in imported if m.split('.')[0] in ('accumulate', 'batchnorm', 'micro') or 'accum_callback.micro' in m}
+    assert not feature, feature
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == 'Checkpoint')
+    assert _code_lines(src, cls) <= 200, _code_lines(src, cls)
+
 # where a module's tests are when they are not in tests/test_<module>.py (each file named must name the module)
 TESTED_IN = dict(bn_check='test_precise.py', bn_stats='test_batchnorm.py', checkpoint='test_resume.py',
-                 checkpoint_format='test_resume.py', fit_state='test_resume.py', compat='test_package.py',
+                 checkpoint_format='test_resume.py', fit_state='test_resume.py', fit_place='test_resume.py', loaders='test_resume.py', compat='test_package.py',
                  elastic='test_global_order.py', sharded_checkpoint='test_global_order.py', files='test_resume.py', fsdp='test_distributed.py', modes='test_batchnorm.py',
                  noise_measure='test_noise.py', norm_layers='test_batchnorm.py', testing='test_distributed.py',
                  window_log='test_accumulate.py')

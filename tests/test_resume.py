@@ -1,4 +1,4 @@
-"""(Modules `checkpoint`, `checkpoint_format`, `fit_state`, `files`.) Stop anywhere, resume to the same weights (issue 37): a fit killed with SIGKILL at points drawn at random (mid-window,
+"""(Modules `checkpoint`, `checkpoint_format`, `fit_state`, `fit_place`, `loaders`, `files`.) Stop anywhere, resume to the same weights (issue 37): a fit killed with SIGKILL at points drawn at random (mid-window,
 inside a 'carry' window, between a micro-batch's backward and the step, in the middle of a checkpoint's write) and run
 again ends with weights, optimizer state, BatchNorm buffers, the Recorder's losses and the step count bitwise equal to
 the uninterrupted fit's (CPU, one thread); a cut or damaged checkpoint is never loaded; a resume that cannot be exact is
