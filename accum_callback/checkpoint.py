@@ -22,7 +22,7 @@ from fastai.callback.schedule import LRFinder
 from .distributed import reduce_floats, is_distributed, process_count, process_rank
 from .guard import CANCELS, StopSignals, WindowOwner, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from .loaders import ReadAhead, can_skip
-from .checkpoint_format import (MAGIC, CheckpointError, Plain, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
+from .checkpoint_format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_place import FitPlace, inner_loader
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
@@ -187,12 +187,12 @@ class Checkpoint(Callback):
     # -- saving ---------------------------------------------------------------------------------------------------
     def signature(self)->dict:
         "What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs)"
-        return fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga()))
+        return json_normal(fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
 
     def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
         "The fit's state, piece by piece: the place in the fit, what training has made, what a resume must match"
         whole = not writes_sharded(self.learn.model, is_elastic(self._ga()))   # (else the model goes to a DCP folder: `sharded_state`)
-        return dict(self.place.state(self.learn, where), **training_state(self.learn, self, whole), signature=self.signature(), opt_steps=self._opt_steps)
+        return dict(self.place.state(self.learn, where), **training_state(self.learn, self, whole), signature=AsJson(self.signature()), opt_steps=self._opt_steps)
 
     def _save(self, where:str):
         """Take the state now (its tensors copied) and write it in the background while training goes on (the one
@@ -238,6 +238,7 @@ class Checkpoint(Callback):
             f = s if records else self.file(s, source_rank(self._ga()))
             try:
                 st = read_whole(f, self.folder)
+                if isinstance(st.get('signature'), dict): st['signature'] = json_normal(st['signature'])   # (0.2's files: tuples)
                 check_fit_state(st, self.learn, self, f, now)
                 mine = st   # (a `global_window` run on as many processes: each rank resumes its own file, checked too)
                 if elastic and process_rank() and st['world'] == process_count():

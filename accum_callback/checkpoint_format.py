@@ -3,7 +3,7 @@ written as plain types (tensors, numbers, strings, bytes, lists, tuples, dicts),
 dicts made again from a fixed table on reading, and read with `torch.load(weights_only=True)`; the file carries a magic
 line, its length and a CRC-32 (against cuts and damage only: anyone can compute them) and is written atomically."""
 from __future__ import annotations
-import collections, enum, io, math, os, pickle, struct, zlib
+import collections, enum, io, json, math, os, pickle, struct, zlib
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ from fastcore.foundation import L
 from .files import atomic_write
 from .window import Phase, StepRecord
 
-__all__ = ['Plain', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
+__all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
            'is_rank_shard']
 
 MAGIC = b'ACKPT1\n'   # a checkpoint file's first line
@@ -34,6 +34,15 @@ _OWN_TYPES = {f'{c.__module__}.{c.__qualname__}': c for c in (Phase, StepRecord)
 
 _PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
+def json_normal(o):
+    "`o` as JSON gives it back (tuples as lists, keys as strings, other objects as their `repr`): how an `AsJson` value reads"
+    return json.loads(json.dumps(o, default=repr))
+
+class AsJson:
+    """A value of plain numbers, strings, lists and dicts written as one JSON text (one object to pickle, not hundreds:
+    a fit's signature, in every checkpoint), read back as `json_normal` gives it"""
+    def __init__(self, value): self.value = value
+
 class _Unplain(Exception):
     "What cannot be written (a message with `{}` for where it is), and the keys down to it, added on the way back up"
     def __init__(self, what:str): self.what,self.keys = what,[]
@@ -49,9 +58,11 @@ def _plain(o, copy:bool):
     t = type(o)
     if o is None or t in _PLAIN: return o
     if t is list or t is tuple:
-        if len(o) >= 64 and all(type(v) is int for v in o):   # (Python's RNG states: 625 ints, as one tensor, not 625 objects)
-            try: return {_TAG: 'ints', 'type': t.__name__, 'value': torch.tensor(o, dtype=torch.int64)}
-            except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
+        if len(o) >= 64:   # (Python's RNG states, 625 ints; a long fit's logs and learning rates: one tensor, not an object each)
+            if all(type(v) is int for v in o):
+                try: return {_TAG: 'ints', 'type': t.__name__, 'value': torch.tensor(o, dtype=torch.int64)}
+                except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
+            elif all(type(v) is float for v in o): return {_TAG: 'floats', 'type': t.__name__, 'value': torch.tensor(o, dtype=torch.float64)}
         out = []
         for i,v in enumerate(o):
             try: out.append(_plain(v, copy))
@@ -64,6 +75,7 @@ def _plain(o, copy:bool):
             try: out[k] = _plain(v, copy)
             except _Unplain as e: e.keys.append(f'[{k!r}]'); raise
         return out
+    if t is AsJson: return {_TAG: 'json', 'value': json.dumps(o.value, default=repr)}
     name = f'{t.__module__}.{t.__qualname__}'
     if isinstance(o, torch.Tensor):
         if t is torch.Tensor or t is torch.nn.Parameter: return o.detach().clone() if copy else o.detach()
@@ -150,9 +162,13 @@ def from_plain(o):
         tag = o.get(_TAG)
         if tag is None: return type(o)((k, from_plain(v)) for k,v in o.items())
         if tag == 'ndarray': return _ndarray(o)
-        if tag == 'ints':
-            v,kind = _field(o, 'value', torch.Tensor, "'ints'"),{'tuple': tuple, 'list': list}.get(o.get('type'))
-            if kind is None or v.ndim != 1 or v.dtype != torch.int64: raise CheckpointError("a checkpoint's 'ints' is malformed")
+        if tag == 'json':
+            try: return json.loads(_field(o, 'value', str, "'json'"))
+            except ValueError as e: raise CheckpointError(f"a checkpoint's JSON text is malformed: {str(e)[:100]}") from None
+        if tag in ('ints', 'floats'):
+            v,kind = _field(o, 'value', torch.Tensor, repr(tag)),{'tuple': tuple, 'list': list}.get(o.get('type'))
+            if kind is None or v.ndim != 1 or v.dtype != (torch.int64 if tag == 'ints' else torch.float64):
+                raise CheckpointError(f"a checkpoint's {tag!r} is malformed")
             return kind(v.tolist())
         if tag == 'L': return L([from_plain(v) for v in _field(o, 'value', list, "'L'")])
         if tag == 'shard': return _field(o, 'value', torch.Tensor, 'shard').as_subclass(_Shard)

@@ -161,11 +161,28 @@ def load_carried_state(model, saved:dict):
         else:   # (the attributes the module has, holding what a carried state holds: no other name a file gives)
             for k,v in d['attributes'].items():
                 if not k.startswith('_') and hasattr(m, k) and _carried_value(v): setattr(m, k, to_device(v, dev))
+def _fits(v, now)->bool:
+    """Can `v` (from a file) take the place of `now` (what the object holds): a number of its kind (an int of at most 2**53:
+    a count a file made huge overflowed fastai's smoothing), a tensor of its shape, or None where it holds None"""
+    if v is None: return now is None
+    if now is None: return isinstance(v, (int, float, torch.Tensor))
+    if isinstance(now, bool) or isinstance(v, bool): return type(v) is type(now)
+    if isinstance(now, torch.Tensor): return isinstance(v, torch.Tensor) and v.shape == now.shape
+    if isinstance(now, int): return type(v) is int and abs(v) <= 2**53
+    return type(v) in (int, float) and abs(v) <= 2**1023
+
+_SETTINGS = ('beta',)   # numbers a metric is made with, not what it has counted: never taken from a file (beta=9 overflowed)
+
+def declared_fits(obj, saved)->bool:
+    "Do the numbers `saved` names, that `obj` holds and has counted, fit what it holds (`_fits`)?"
+    have = plain_numbers(obj)
+    return isinstance(saved, dict) and all(_fits(v, have[k]) for k,v in saved.items() if k in have and k not in _SETTINGS)
+
 def _update_declared(obj, saved:dict):
-    "Set on `obj` the numbers of `saved` that it holds already (`plain_numbers`): no other attribute a file names"
+    "Set on `obj` the numbers of `saved` that it holds already (`plain_numbers`) and that fit them: no other attribute a file names"
     have = plain_numbers(obj)
     for k,v in saved.items():
-        if k in have and isinstance(v, (int, float, bool, torch.Tensor, type(None))): setattr(obj, k, v)
+        if k in have and k not in _SETTINGS and _fits(v, have[k]): setattr(obj, k, v)
 
 def recorder_state(rec)->dict:
     """The Recorder's history and running training metrics. Its losses (a 0-d tensor a batch) as one tensor: a checkpoint
@@ -235,6 +252,8 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=N
     need(all(isinstance(rec.get(k, []), list) for k in _RECORDER_KEYS if k != 'losses'), "'recorder' is malformed")
     ls = rec.get('losses', [])
     need(isinstance(ls, list) or (isinstance(ls, torch.Tensor) and ls.ndim == 1), "'recorder' is malformed")
+    need(declared_fits(learn.recorder.smooth_loss, rec['smooth']) and len(rec['mets']) <= len(train_metrics(learn.recorder))
+         and all(declared_fits(m, d) for m,d in zip(train_metrics(learn.recorder), rec['mets'])), "'recorder' holds numbers that do not fit it")
     need(all(type(st.get(k, 0)) in (int, float) for k in ('pct_train', 'train_iter', 'opt_steps', 'iter_done')), 'a place number is malformed')
     need(st.get('ahead_device') is None or isinstance(st['ahead_device'], (torch.device, str)), "'ahead_device' is malformed")
     inner = learn.dls.train.__dict__.get('dl', learn.dls.train)

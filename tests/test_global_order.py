@@ -207,6 +207,17 @@ def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_p
     one = W.train()
     assert rel_err(res[0]['params'], one['params']) <= TOL and res[1]['resumed'].endswith('.rank1.pt')
 
+def test_a_rank_file_missing_from_the_newest_is_passed_over_on_as_many_processes(tmp_path):
+    """Issue 61: a `global_window` run cut between the ranks' writes (rank 1's newest file missing), resumed on as many
+    processes: that checkpoint is passed over (FileNotFoundError before), the one before it resumed, the same run"""
+    ck = (str(tmp_path/'ck'), dict(every=1))
+    _run(2, ckpt=ck, cut=17)
+    files = sorted((tmp_path/'ck').glob('ckpt-*.rank1.pt'))
+    newest = files[-1]; newest.unlink()
+    res,one = _run(2, ckpt=ck),W.train()
+    assert res[0]['resumed'] == str(files[-2]).replace('.rank1.', '.rank0.') and res[1]['resumed'] == str(files[-2])
+    for r in res: assert rel_err(r['params'], one['params']) <= TOL
+
 @needs_fsdp2
 def test_fsdp2_runs_the_same_windows_and_weights(one):
     "Under FSDP2 (`learn.fsdp_ctx()`) `global_window` gives the same windows and weights as one process"

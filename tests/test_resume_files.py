@@ -347,3 +347,23 @@ def test_any_notebook_stopped_anywhere_and_re_run_is_the_uninterrupted_session(c
     assert not cut and len(again) == len(ref)
     for i,(a,b) in enumerate(zip(again, ref)):
         assert all(torch.equal(x, y) for x,y in zip(a, b)), f'cell {i} differs from the uninterrupted session (stopped at batch {stop})'
+
+def test_long_lists_rng_states_and_the_signature_are_single_objects_and_read_back_exactly():
+    """A checkpoint a step of a long fit writes its growing logs (window sizes, losses, learning rates), Python's and
+    numpy's RNG states and the signature as one tensor or one JSON text each, not an object per number; read back
+    exactly (NaN and inf too), and a malformed one is refused, never applied"""
+    import math, random, numpy as np
+    from accum_callback.checkpoint_format import AsJson, plain_state, from_plain, json_normal
+    floats = [random.random() for _ in range(200)] + [math.nan, math.inf, -0.0]
+    st = dict(f=floats, i=tuple(range(-5, 300)), py=random.getstate(), np=np.random.get_state(),
+              sig=AsJson({'fit': 1, 'model': [('w', (3, 4))]}), short=[1.5, 2.5], mixed=[1]*70 + [2.0])
+    p = plain_state(st)
+    assert isinstance(p['f'], dict) and isinstance(p['i'], dict) and isinstance(p['py'][1], dict) and isinstance(p['sig'], dict)
+    assert p['short'] == [1.5, 2.5] and isinstance(p['mixed'], list)   # (short or mixed lists as they are)
+    back = from_plain(p)
+    assert all(a == b or (math.isnan(a) and math.isnan(b)) for a,b in zip(back['f'], floats)) and len(back['f']) == len(floats)
+    assert back['i'] == st['i'] and back['py'] == st['py'] and back['sig'] == json_normal({'fit': 1, 'model': [('w', (3, 4))]})
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a,b in zip(back['np'], st['np']))
+    for bad in ({**p['f'], 'value': torch.zeros(3, dtype=torch.int64)}, {**p['i'], 'type': 'set'},
+                {**p['sig'], 'value': '{"fit": '}, {**p['np'][1], 'value': torch.full((624,), -1, dtype=torch.int64)}):
+        with pytest.raises(CheckpointError): from_plain(bad)
