@@ -52,7 +52,8 @@ def sq_norm(ts:list)->torch.Tensor:
 class GradientNoiseScale(Callback):
     """Measure the gradient noise scale B_simple = tr(S)/|G|^2 at every optimizer step from what accumulation already
     has: the squared norm of the window's first micro-batch gradient and of the whole window's (unscaled from fp16's
-    grad scaler; under DDP the micro-batch norm averaged over ranks and the window's global, so every rank agrees).
+    grad scaler; under DDP the micro-batch norm averaged over ranks, or with `global_window` rank 0's, which is one
+    process's first micro-batch, so that the estimates are the same on any number of processes; the window's global).
     Logged per step (`g_small2`, `g_big2`, `b`, `B`, `g2`, `trace`, their moving averages, `b_simple`), as a column of
     the Recorder (`noise_scale`, at each epoch's end) and by `plot_noise_scale()`. `schedule()` grows the window with it.
 
@@ -174,9 +175,12 @@ class GradientNoiseScale(Callback):
         items = float(w.record.items)   # the window's items over every rank (GradientAccumulation's one synchronisation)
         # the step's gradient (`step_scale` applied) as the window's mean: a mean loss's already is, a summed loss's is the sum
         g_big2 = g_big2*(w.mean_factor(items)/w.step_scale(items, 1))**2
-        if is_distributed(self.model):   # the micro-batch was each rank's own: average the ranks' squared norms and 1/b
-            world = dist.get_world_size()
-            g_small2,inv_b = (self._sum_over_ranks(torch.stack([g_small2, 1/b.to(dev)]))/world).unbind()
+        if is_distributed(self.model):
+            mine = torch.stack([g_small2, 1/b.to(dev)])
+            if self.ga.plan.global_window:   # rank 0's first micro-batch is one process's (each window's first samples):
+                g_small2,inv_b = self._sum_over_ranks(mine*float(dist.get_rank() == 0)).unbind()   # the same estimates on any number
+            else:   # each rank's own micro-batch: average the ranks' squared norms and 1/b
+                g_small2,inv_b = (self._sum_over_ranks(mine)/dist.get_world_size()).unbind()
             b = 1/inv_b
         scale = grad_scale(self.learn)   # fp16's grad scaler multiplied every gradient
         if scale is not None: g_small2,g_big2 = g_small2/scale**2,g_big2/scale**2

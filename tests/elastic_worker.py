@@ -31,7 +31,7 @@ def data(n, seed=0):
     return TensorDataset(torch.cat([torch.arange(n, dtype=torch.float64)[:, None], x], 1), y)
 
 def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', seed=0, global_window=True, ckpt=None, cut=None,
-          fsdp=False, by_hand=False, drop_last=False, adam=False, layer=None, bn=None, precise=None):
+          fsdp=False, by_hand=False, drop_last=False, adam=False, layer=None, bn=None, precise=None, noise=False):
     """`ckpt`: (folder, Checkpoint keyword arguments): checkpointed, and resumed from there if it holds one; `cut`: this
     rank's micro-batch at whose end the run dies (returned: the windows until then); `fsdp`: FSDP2 (`learn.fsdp_ctx()`)
     instead of DDP on several processes; `adam`: fastai's Adam (its state sharded under FSDP2), else SGD; `layer`: 'batchnorm' or 'dropout' after the first layer, with `bn` a `BatchNormAccumulation` mode; `drop_last`: fastai's default for a shuffled training loader; `by_hand`: the model wrapped in DDP by hand, the loader fastai's plain one"""
@@ -49,6 +49,9 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
     if bn is not None:
         from accum_callback import BatchNormAccumulation
         cbs.append(BatchNormAccumulation(bn, **({} if precise is None else dict(precise=precise))))
+    if noise:
+        from accum_callback import GradientNoiseScale
+        cbs.append(gns := GradientNoiseScale())
     if ckpt is not None: cbs.append(Checkpoint(ckpt[0], **ckpt[1]))
     if cut is not None: cbs.append(CutAt(cut))
     from fastai.optimizer import Adam, SGD
@@ -72,7 +75,8 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
     full = lambda p: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().reshape(-1).double()
     return dict(params=torch.cat([full(p) for p in learn.model.parameters()]), windows=spy.windows,
                 buffers=torch.cat([full(b) for b in learn.model.buffers() if b.is_floating_point()] or [torch.zeros(0)]),
-                steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None, said=said)
+                steps=learn.gradient_accumulation.steps, resumed=str(ck.resumed_from) if ck is not None else None, said=said,
+                noise={k: gns.values(k) for k in ('g_small2', 'g_big2', 'b', 'B')} if noise else None)
 
 class Scale(torch.nn.Module):
     "The id column scaled to the others' size"

@@ -207,6 +207,16 @@ def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_p
     one = W.train()
     assert rel_err(res[0]['params'], one['params']) <= TOL and res[1]['resumed'].endswith('.rank1.pt')
 
+@pytest.mark.parametrize('world', [2, 4])
+def test_the_noise_scale_is_one_processs_on_any_number(world):
+    """Issue 63: with `global_window` the small-batch norm is rank 0's first micro-batch, one process's first micro-batch
+    of each window, so every estimate is the 1-process run's (float64, 1e-9); it was the ranks' average, another number"""
+    one,many = W.train(noise=True),launch_gloo(W.train, world=world, kwargs=dict(noise=True), timeout=180)
+    for r in many:
+        for k in ('g_small2', 'g_big2', 'b', 'B'):
+            a,b = torch.tensor(r['noise'][k]),torch.tensor(one['noise'][k])
+            assert a.shape == b.shape and len(b) > 0 and rel_err(a, b) <= 1e-9, (k, a, b)
+
 def test_a_rank_file_missing_from_the_newest_is_passed_over_on_as_many_processes(tmp_path):
     """Issue 61: a `global_window` run cut between the ranks' writes (rank 1's newest file missing), resumed on as many
     processes: that checkpoint is passed over (FileNotFoundError before), the one before it resumed, the same run"""
