@@ -96,7 +96,7 @@ class Checkpoint(Callback):
         self.serial = max(self._serials(), default=0)
         self._fit_args = {}; self._fit_args = fit_arguments(self.learn)
         self._signals = StopSignals(self.signals, self._asked)
-        add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit())
+        add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit(together=False))
         try:
             if self.resume: self._resume()
         except BaseException as e:   # a refused resume: the callbacks of ours before this one have set up already
@@ -112,8 +112,8 @@ class Checkpoint(Callback):
             if sig == signal.SIGINT: raise KeyboardInterrupt('Checkpoint: saved, then stopped (SIGINT)')
             raise SystemExit(128 + sig)
 
-    def _finish_fit(self):
-        try: self._flush()   # (the checkpoint in flight written, whatever ended the fit)
+    def _finish_fit(self, together:bool=True):   # (`together`: every rank is here; an exception may have stopped one only)
+        try: self._flush(together)   # (the checkpoint in flight written, whatever ended the fit)
         finally:
             if getattr(self, '_signals', None) is not None: self._signals.remove(); self._signals = None
         remove_fit_guard(self.learn, 'checkpoint')
@@ -207,7 +207,7 @@ class Checkpoint(Callback):
         self._inflight = (f, self.serial, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt' if where == 'done' and whole else None, err)
         if where == 'done' or not whole or self._stop is not None: self._flush()
 
-    def _flush(self):
+    def _flush(self, together:bool=True):
         """The checkpoint in flight: written, counted once every rank has written its file, the old ones removed, a
         finished fit's end kept (`fit-<n>`); a write that failed (a full disk, a folder made read-only) said, and
         training goes on: the next one due tries again"""
@@ -219,7 +219,9 @@ class Checkpoint(Callback):
             last = self.file(self.saved[-1], process_rank()) if self.saved else None
             warnings.warn(f"Checkpoint: could not write {f} ({type(err or e).__name__}: {err or e}); training goes on, the last "
                           f"good checkpoint is {last or 'none yet'}, the next one due tries again", stacklevel=3)
-        if process_count() > 1: dist.barrier()   # (a checkpoint counts once every rank wrote its file)
+        if process_count() > 1:   # a checkpoint counts once every rank wrote its file (after an exception on some: not
+            if not together: return   # known, so nothing is counted or removed)
+            dist.barrier()
         if err or e: return
         if keep is not None and (x := keep_copy(f, keep)) is not None:   # this fit's end, kept for a re-run
             warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({x}): a re-run of it will not be restored", stacklevel=3)
