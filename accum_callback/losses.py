@@ -122,11 +122,11 @@ def own_loss_items(learn)->torch.Tensor|None:
     labels = _labels(getattr(learn, 'xb', ()))
     if labels is None: return None
     model = getattr(learn, 'model', None)
-    key = model if model is not None else _labels   # (a Learner without a model: decided each time)
-    if key not in _RULES:
+    if model is not None and model in _RULES: rule = _RULES[model]
+    else:
         if not torch.isfinite(loss.detach()): return None   # (a non-finite loss tells nothing: decided at the next)
-        _RULES[key] = _own_rule(pred, labels, loss)
-    rule = _RULES[key]
+        rule = _own_rule(pred, labels, loss)
+        if model is not None: _RULES[model] = rule   # (a Learner without a model: decided each time)
     if rule not in ('tokens', 'shifted'): return None
     return ((labels[..., 1:] if rule == 'shifted' else labels) != IGNORE_INDEX).sum()
 

@@ -202,3 +202,22 @@ def test_noise_scale_on_gpt2():
                     dtype=torch.float32, shuffle=True, learnable=True, lr=0.5)
     stepped(learn, 2)
     assert gns.n_measured == 8 and 0 < gns.b_simple < float('inf'), gns.b_simple_history
+
+def test_the_count_of_a_models_own_loss_is_found_per_model():
+    """What a model's own loss averages over is decided once per model (by its logits), and each time where there is no
+    model to remember it by: a shifted (causal LM) loss and a plain token loss, side by side, each counted as it is"""
+    from types import SimpleNamespace
+    import torch.nn.functional as F
+    from accum_callback.losses import own_loss_items
+    torch.manual_seed(0)
+    labels = torch.tensor([[3, 4, 5, IGNORE], [6, 7, IGNORE, IGNORE]])
+    logits = torch.randn(2, 4, V)
+    tokens = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
+    shifted = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGNORE)
+    def view(loss, model=None):
+        pred = dict(loss=loss, logits=logits)
+        return SimpleNamespace(pred=pred, loss_grad=loss, xb=({'labels': labels},), model=model)
+    assert int(own_loss_items(view(shifted))) == 3 and int(own_loss_items(view(tokens))) == 5   # (no model: each decided)
+    a,b = nn.Linear(1, 1),nn.Linear(1, 1)
+    assert int(own_loss_items(view(shifted, a))) == 3 and int(own_loss_items(view(tokens, b))) == 5
+    assert int(own_loss_items(view(tokens, a))) == 3   # (model `a` was found to shift: it is counted so)
