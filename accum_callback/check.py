@@ -4,8 +4,7 @@ an experiment that switches the suspect off and sees the difference vanish, neve
 check works on a copy of the model: the Learner (weights, buffers, optimizer, RNG states, gradients, train/eval mode,
 callbacks) is left exactly as it was."""
 from __future__ import annotations
-import dataclasses, math
-from collections.abc import Mapping
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +19,7 @@ from .distributed import is_fsdp
 from .losses import loss_reduction, model_loss
 from .micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
 from .loaders import model_device
+from .micro.pieces import batch_tensors
 from .compat import rngs_kept
 from .replay import Replay, flat_out, micro_batches, training_model
 from .validate import whole_number
@@ -231,19 +231,9 @@ def _worst(names, sizes, a, b, tol, k=3)->list:
     judged = [i for i in range(len(e)) if max(float(na[i]), float(nb[i])) > floor or not math.isfinite(e[i])]
     return [(names[i], e[i]) for i in sorted(judged, key=lambda i: -e[i] if math.isfinite(e[i]) else -math.inf)[:k] if e[i] > tol]
 
-def _leaves(o)->list:
-    """The tensors of a model output with a batch dimension, in order: a tensor; the elements of tuples and lists; the
-    values of dicts (a Hugging Face `ModelOutput`), the fields of dataclasses. A 0-d tensor (a loss the model computed
-    over its whole batch) and anything else (a key-value cache object) are left out: no row of them is one sample's"""
-    if isinstance(o, torch.Tensor): return [o] if o.ndim else []
-    if isinstance(o, (tuple, list)): return [t for x in o for t in _leaves(x)]
-    if isinstance(o, Mapping): return _leaves(list(o.values()))
-    if dataclasses.is_dataclass(o) and not isinstance(o, type): return _leaves([getattr(o, f.name) for f in dataclasses.fields(o)])
-    return []
-
 def _half_sq(o):
-    "Half the sum of squares of the floating tensors of an output that have a batch dimension (`_leaves`)"
-    return sum((0.5*t.double().square().sum() for t in _leaves(o) if t.is_floating_point()), 0.)
+    "Half the sum of squares of the floating tensors of an output that have a batch dimension (`batch_tensors`)"
+    return sum((0.5*t.double().square().sum() for t in batch_tensors(o) if t.is_floating_point()), 0.)
 
 def _crop(a:torch.Tensor, b:torch.Tensor)->tuple:
     """`a` and `b` cut to their common shape, where a micro-batch's output and the whole's rows of it are padded to other
@@ -256,10 +246,10 @@ def _crop(a:torch.Tensor, b:torch.Tensor)->tuple:
 
 def _row_diff(parts:list, rows:list, whole)->float:
     """Relative difference between the outputs of micro-batches (`parts`, of `rows` rows each) and the rows of one batch
-    of them (`whole`), leaf by leaf (`_leaves`), each pair cut to its common width (`_crop`)"""
-    w,a,b,r = _leaves(whole),[],[],0
+    of them (`whole`), leaf by leaf (`batch_tensors`), each pair cut to its common width (`_crop`)"""
+    w,a,b,r = batch_tensors(whole),[],[],0
     for p,n in zip(parts, rows):
-        for x,y in zip(_leaves(p), w):
+        for x,y in zip(batch_tensors(p), w):
             if not x.is_floating_point(): continue
             x,y = _crop(x.detach().double(), y[r:r+n].detach().double())
             a.append(x.reshape(-1)); b.append(y.reshape(-1))

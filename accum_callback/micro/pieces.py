@@ -1,13 +1,14 @@
 """Cutting a batch: which rows each piece holds (one rule, `piece_bounds`, and the halving after an out-of-memory error,
 `halved`), slicing a batch and joining the pieces' outputs, and telling an out-of-memory error from others."""
 from __future__ import annotations
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from ..compat import OutOfMemoryError
 
-__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line', 'batch_size']
+__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line', 'batch_size', 'batch_tensors']
 
 _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
               'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
@@ -46,20 +47,31 @@ def slice_batch(b, s:int, e:int):
     (Hugging Face's `BatchEncoding`, blurr's batches: `input_ids`, `attention_mask`, `labels`) key by key"""
     if isinstance(b, torch.Tensor): return b[s:e]
     if isinstance(b, (tuple, list)): return type(b)(slice_batch(o, s, e) for o in b)
-    if isinstance(b, Mapping):
-        d = {k: slice_batch(v, s, e) for k,v in b.items()}
-        try: return type(b)(d)
-        except TypeError: return d
+    if isinstance(b, Mapping): return _mapping_like(b, {k: slice_batch(v, s, e) for k,v in b.items()})
     if b is None: return None
     raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
                     "only tensors and tuples, lists and dicts of them (give the loader micro-batches instead, with `n_step`)")
 
+def _mapping_like(o:Mapping, d:dict):
+    "`d` as a mapping of `o`'s type (a `BatchEncoding`, a `ModelOutput`), or as the dict it is where that type cannot be made from one"
+    try: return type(o)(d)
+    except TypeError: return d
+
+def batch_tensors(o)->list:
+    """The tensors of a batch or a model output that have a batch dimension, in order: a tensor; the elements of tuples
+    and lists; the values of dicts (a Hugging Face `ModelOutput`), the fields of dataclasses. A 0-d tensor (a loss the
+    model computed over its whole batch) and anything else (a key-value cache object) are left out: no row of them is
+    one sample's"""
+    if isinstance(o, torch.Tensor): return [o] if o.ndim else []
+    if isinstance(o, (tuple, list)): return [t for x in o for t in batch_tensors(x)]
+    if isinstance(o, Mapping): return batch_tensors(list(o.values()))
+    if dataclasses.is_dataclass(o) and not isinstance(o, type): return batch_tensors([getattr(o, f.name) for f in dataclasses.fields(o)])
+    return []
+
 def batch_size(b)->int|None:
-    """The rows of a batch or a model output: the first dimension of its first tensor that has one, through tuples, lists
-    and dicts (a Hugging Face `ModelOutput` starts with its 0-d `loss`, where fastai's `find_bs` fails)"""
-    if isinstance(b, torch.Tensor): return b.shape[0] if b.ndim else None
-    vals = b.values() if isinstance(b, Mapping) else b if isinstance(b, (tuple, list)) else ()
-    return next((n for n in map(batch_size, vals) if n is not None), None)
+    """The rows of a batch or a model output: the first dimension of its first tensor that has one (`batch_tensors`; a
+    Hugging Face `ModelOutput` starts with its 0-d `loss`, where fastai's `find_bs` fails)"""
+    return next((t.shape[0] for t in batch_tensors(b)), None)
 
 def cat_outputs(outs:list):
     "The model outputs of consecutive pieces of a batch joined along the first dimension (tensors, tuples, lists, dicts)"
@@ -68,10 +80,7 @@ def cat_outputs(outs:list):
         if o.ndim == 0: raise TypeError("the model returns a 0-d tensor: its output cannot be joined over micro-batches")
         return torch.cat(outs)
     if isinstance(o, (tuple, list)): return type(o)(cat_outputs(list(z)) for z in zip(*outs))
-    if isinstance(o, Mapping):
-        d = {k: cat_outputs([x[k] for x in outs]) for k in o}
-        try: return type(o)(d)
-        except TypeError: return d
+    if isinstance(o, Mapping): return _mapping_like(o, {k: cat_outputs([x[k] for x in outs]) for k in o})
     if o is None: return None
     raise TypeError(f"the model returns a {type(o).__name__}: only tensors, tuples, lists and dicts of them can be joined "
                     "over micro-batches")
