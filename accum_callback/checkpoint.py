@@ -189,9 +189,8 @@ class Checkpoint(Callback):
         "What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs)"
         return json_normal(fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
 
-    def _snapshot(self, where:str)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
-        "The fit's state, piece by piece: the place in the fit, what training has made, what a resume must match"
-        whole = not writes_sharded(self.learn.model, is_elastic(self._ga()))   # (else the model goes to a DCP folder: `sharded_state`)
+    def _snapshot(self, where:str, whole:bool)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
+        "The fit's state, piece by piece: the place in the fit, what training has made (`whole`: the model too), what a resume must match"
         return dict(self.place.state(self.learn, where), **training_state(self.learn, self, whole), signature=AsJson(self.signature()), opt_steps=self._opt_steps)
 
     def _save(self, where:str):
@@ -200,8 +199,8 @@ class Checkpoint(Callback):
         at the fit's end, or before a stop"""
         self._flush()
         self.serial += 1
-        f,whole = self.file(self.serial, process_rank()),not writes_sharded(self.learn.model, is_elastic(self._ga()))
-        try: st,err = Plain(plain_state(sharded_state(self, self._snapshot(where), self._ga()), copy=True), new_file_perms()),None
+        f,whole = self.file(self.serial, process_rank()),not writes_sharded(self.learn.model, is_elastic(self._ga()))   # (else a DCP folder)
+        try: st,err = Plain(plain_state(sharded_state(self, self._snapshot(where, whole), self._ga()), copy=True), new_file_perms()),None
         except OSError as e: st,err = None,e
         if st is not None: self._writer.start(lambda: _write(f, st))
         self._inflight = (f, self.serial, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt' if where == 'done' and whole else None, err)

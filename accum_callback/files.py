@@ -42,8 +42,6 @@ class Background:
         self.wait()
         self.thread = threading.Thread(target=self._run, args=(fn,), name='accum_callback-writer', daemon=True)
         self.thread.start()
-    @property
-    def busy(self)->bool: return self.thread is not None
     def wait(self)->tuple:
         if self.thread is None: return None,None
         self.thread.join(); self.thread = None

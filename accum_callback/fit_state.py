@@ -10,8 +10,8 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import TrackerCallback
 from fastai.torch_core import to_device
 
-from .checkpoint_format import reshard
-from .compat import local_tensor
+from .checkpoint_format import CheckpointError, reshard
+from .compat import local_tensor, rng_states, set_rng_states
 from .distributed import unwrap
 from .fastai_compat import train_metrics
 from .micro import stateful_modules
@@ -24,7 +24,6 @@ __all__ = ['refuse_changes', 'training_state', 'apply_training_state', 'check_fi
 def refuse_changes(old:dict, new:dict, f, strict:bool=True):
     """A resume of the checkpoint `f`, whose fit's signature was `old`, where it is `new` now: refused naming what
     changed (`strict`), or said in a warning; a model of other shapes is refused whatever `strict` says"""
-    from .checkpoint_format import CheckpointError
     changed = [k for k in old if old.get(k) != new.get(k)]
     if not changed: return
     if 'model' in changed:
@@ -173,16 +172,19 @@ def _fits(v, now)->bool:
 
 _SETTINGS = ('beta',)   # numbers a metric is made with, not what it has counted: never taken from a file (beta=9 overflowed)
 
+def _declared(obj, saved:dict)->list:
+    "`(name, value, fits)` of the numbers `saved` names that `obj` holds and has counted (`plain_numbers`, not `_SETTINGS`)"
+    have = plain_numbers(obj)
+    return [(k, v, _fits(v, have[k])) for k,v in saved.items() if k in have and k not in _SETTINGS]
+
 def declared_fits(obj, saved)->bool:
     "Do the numbers `saved` names, that `obj` holds and has counted, fit what it holds (`_fits`)?"
-    have = plain_numbers(obj)
-    return isinstance(saved, dict) and all(_fits(v, have[k]) for k,v in saved.items() if k in have and k not in _SETTINGS)
+    return isinstance(saved, dict) and all(ok for _,_,ok in _declared(obj, saved))
 
 def _update_declared(obj, saved:dict):
     "Set on `obj` the numbers of `saved` that it holds already (`plain_numbers`) and that fit them: no other attribute a file names"
-    have = plain_numbers(obj)
-    for k,v in saved.items():
-        if k in have and k not in _SETTINGS and _fits(v, have[k]): setattr(obj, k, v)
+    for k,v,ok in _declared(obj, saved):
+        if ok: setattr(obj, k, v)
 
 def recorder_state(rec)->dict:
     """The Recorder's history and running training metrics. Its losses (a 0-d tensor a batch) as one tensor: a checkpoint
@@ -226,8 +228,6 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=N
     structure, the RNG states, and every callback's state (each tried with its `load_state_dict`, then its own state
     put back). Nothing is changed: a file that fails here is passed over, not half applied. `now`: this fit's signature;
     a file whose signature differs (another fit: refused by the resume, naming what changed) is checked no deeper"""
-    from .compat import local_tensor, rng_states, set_rng_states
-    from .distributed import unwrap
     def need(ok, what):
         if not ok: raise ValueError(f"{where}: {what}")
     need(isinstance(st, dict), 'is not a dict')
@@ -309,7 +309,6 @@ def fit_signature(learn, ga, n_fit:int, fit_args:dict, loader:dict)->dict:
     fit's number in the session, its epochs, the processes and the loader (`loader`: `elastic.loader_signature`'s), the
     data, the window, the callbacks' modes, the model's shapes, the fit's arguments"""
     from .batchnorm import BatchNormAccumulation
-    from .distributed import unwrap
     from .micro import MicroBatching
     mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
     bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
