@@ -3,7 +3,7 @@ inside a 'carry' window, between a micro-batch's backward and the step, in the m
 again ends with weights, optimizer state, BatchNorm buffers, the Recorder's losses and the step count bitwise equal to
 the uninterrupted fit's (CPU, one thread); a cut or damaged checkpoint is never loaded; a resume that cannot be exact is
 refused naming what changed. One draw of points per configuration in the default run, twelve behind `-m slow`."""
-import json, random, signal, subprocess, sys, time, warnings, zlib
+import contextlib, json, random, signal, subprocess, sys, time, warnings, zlib
 from pathlib import Path
 
 import pytest
@@ -376,9 +376,16 @@ def _random_learner(cbs, workers:int):
                    ).dataloaders(bs=4, shuffle=True, num_workers=workers, after_batch=[_noisy, RandAdd(0.7)])
     return Learner(dls, MLP(), loss_func=torch.nn.functional.mse_loss, cbs=cbs)
 
-def _cut_and_resumed(run, tmp_path, cut:int, batches:int):
-    """`run(cbs)` (a Learner made and fitted, a `Boom` swallowed) uninterrupted, then cut at loader batch `cut` with
-    checkpoints every `batches`, then again: it resumed, to the uninterrupted weights bitwise. `(ref, resumed)`"""
+def _cut_and_resumed(make, fit, tmp_path, cut:int, batches:int, quiet:bool=True):
+    """A Learner `make(cbs)` fitted by `fit(learn)` (`quiet`: without fastai's logging; a `Boom` swallowed) uninterrupted,
+    then cut at loader batch `cut` with checkpoints every `batches`, then again: it resumed, to the uninterrupted weights
+    bitwise. `(ref, resumed)`"""
+    def run(cbs):
+        learn = make(cbs)
+        with (learn.no_logging() if quiet else contextlib.nullcontext()):
+            try: fit(learn)
+            except Boom: pass
+        return learn
     ref = run([Checkpoint(tmp_path/'ref')])
     run([Checkpoint(tmp_path/'ck', batches=batches), RaiseAt(cut)])
     again = run([cb := Checkpoint(tmp_path/'ck', batches=batches)])
@@ -392,14 +399,9 @@ def _cut_and_resumed(run, tmp_path, cut:int, batches:int):
 def test_random_transforms_resume_bitwise(tmp_path, workers, ga, cut):
     "Item and batch transforms drawing from `random`, numpy and torch, with worker processes too: the same batches"
     import fastai.callback.schedule
-    acc = lambda: [GradientAccumulation(n_step=2)] if ga else []
-    def run(cbs):
-        learn = _random_learner(acc() + cbs, workers)
-        with learn.no_logging():
-            try: learn.fit_one_cycle(3, 0.05)
-            except Boom: pass
-        return learn
-    ref,again = _cut_and_resumed(run, tmp_path, cut, batches=3)
+    acc = [GradientAccumulation] if ga else []
+    ref,again = _cut_and_resumed(lambda cbs: _random_learner([c(n_step=2) for c in acc] + cbs, workers),
+                                 lambda learn: learn.fit_one_cycle(3, 0.05), tmp_path, cut, batches=3)
     assert again.recorder.losses == ref.recorder.losses
 
 def _tfmd_dl_learner(cbs, workers:int):
@@ -426,13 +428,8 @@ def test_random_transforms_beside_dropout_resume_bitwise(tmp_path, workers, cut)
     """Issue 61, item 7: fastai's `TfmdDL` draws from `random` once, lazily, the first time its `n_inp` is read: the
     uninterrupted run did at its first batch, the resumed one did after its RNGs were put back (every later draw shifted,
     weights 0.02-0.04 apart). The same batches and weights, bitwise"""
-    def run(cbs):
-        learn = _tfmd_dl_learner([GradientAccumulation(n_step=2)] + cbs, workers)
-        with learn.no_logging():
-            try: learn.fit(3, 0.05)
-            except Boom: pass
-        return learn
-    ref,again = _cut_and_resumed(run, tmp_path, cut, batches=1)
+    ref,again = _cut_and_resumed(lambda cbs: _tfmd_dl_learner([GradientAccumulation(n_step=2)] + cbs, workers),
+                                 lambda learn: learn.fit(3, 0.05), tmp_path, cut, batches=1)
     assert again.recorder.losses == ref.recorder.losses
 
 @pytest.mark.parametrize('cut,micro_bs', [(7, None), (95, None), (7, 3), (6, 1)])   # in the first and the second epoch (80 batches each)
@@ -443,18 +440,14 @@ def test_language_model_resumes_bitwise(tmp_path, cut, micro_bs):
     import apps
     from fastai.text.all import AWD_LSTM, ColReader, ColSplitter, DataBlock, awd_lstm_lm_config, language_model_learner
     from fastai.torch_core import set_seed
-    def run(cbs):
+    def make(cbs):
         set_seed(0)
         dls = DataBlock(blocks=apps._text_block(is_lm=True), get_x=ColReader('text'), splitter=ColSplitter()
                         ).dataloaders(apps._texts(60, 0), bs=4, seq_len=6, shuffle=True, device='cpu', num_workers=0)
         torch.manual_seed(0)
-        learn = language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, **apps.AWD),
-                                       drop_mult=0.5, lr=0.05, cbs=[GradientAccumulation(n_step=2, micro_bs=micro_bs)] + cbs)
-        with learn.no_logging():
-            try: learn.fit(2)
-            except Boom: pass
-        return learn
-    _cut_and_resumed(run, tmp_path, cut, batches=1)
+        return language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, **apps.AWD),
+                                      drop_mult=0.5, lr=0.05, cbs=[GradientAccumulation(n_step=2, micro_bs=micro_bs)] + cbs)
+    _cut_and_resumed(make, lambda learn: learn.fit(2), tmp_path, cut, batches=1)
 
 # -- state as a protocol (issue 51) ------------------------------------------------------------------------------------------
 class _Counting:
@@ -549,14 +542,11 @@ def test_resumed_with_fastais_callbacks(tmp_path, extra):
     from accum_callback import BatchNormAccumulation
     make = dict(ReduceLROnPlateau=lambda: ReduceLROnPlateau(patience=0), ShortEpochCallback=lambda: ShortEpochCallback(0.7),
                 BnFreeze=lambda: BnFreeze())[extra]
-    def run(cbs):
+    def learner(cbs):
         set_seed(0); torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-        learn = make_learner(_data(), 4, model=model, shuffle=True,
-                             cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), make()] + cbs)
-        try: learn.fit(3, 0.05)
-        except Boom: pass
-        return learn
-    ref,again = _cut_and_resumed(run, tmp_path, 11, batches=2)
+        return make_learner(_data(), 4, model=model, shuffle=True,
+                            cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), make()] + cbs)
+    ref,again = _cut_and_resumed(learner, lambda learn: learn.fit(3, 0.05), tmp_path, 11, batches=2, quiet=False)
     assert all(torch.equal(a, b) for a,b in zip(ref.model.state_dict().values(), again.model.state_dict().values()))
     assert again.opt.hypers[0]['lr'] == ref.opt.hypers[0]['lr']
