@@ -221,3 +221,17 @@ def test_the_count_of_a_models_own_loss_is_found_per_model():
     a,b = nn.Linear(1, 1),nn.Linear(1, 1)
     assert int(own_loss_items(view(shifted, a))) == 3 and int(own_loss_items(view(tokens, b))) == 5
     assert int(own_loss_items(view(tokens, a))) == 3   # (model `a` was found to shift: it is counted so)
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(KINDS), setup=st.sampled_from(['dict_own', 'dict_ce', 'tuple_ce']),
+       n=st.integers(6, 14), bs=st.integers(2, 5), cut=st.sampled_from(['n_step', 'micro_bs']), k=st.integers(2, 3))
+def test_windows_of_any_size_are_one_batch_of_the_same_texts(kind, setup, n, bs, cut, k):
+    """Features together, against the oracle: any number of texts (a partial last window), loader batches of any size,
+    windows of `k` loader batches or loader batches cut by `micro_bs`, each model and input kind, the model's own loss
+    or CrossEntropyLossFlat: every optimizer step within 1e-8 of one float64 batch of the same texts"""
+    if cut == 'n_step': acc,big = learner(kind, setup, bs, [GradientAccumulation(n_step=k)], n=n),learner(kind, setup, bs*k, n=n)
+    else: acc,big = learner(kind, setup, bs*k, [GradientAccumulation(n_step=1, micro_bs=bs)], n=n),learner(kind, setup, bs*k, n=n)
+    a,b = stepped(acc),stepped(big)
+    assert len(a) == len(b) == -(-n//(bs*k)) and worst(a, b) < 1e-8, (len(a), len(b), worst(a, b))
