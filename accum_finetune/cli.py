@@ -180,11 +180,11 @@ def export(learn, fname, cached:bool=False):
 
 def _run(args)->int:
     warnings.filterwarnings('ignore', category=FutureWarning)   # torch/fastai import-time deprecation notices
-    import torch
-    from .data import digits_dls, folder_dls
-    from .models import DEFAULT_ARCH, check_arch
-    from .finetune import build_learner, finetune, plot_training, resolve_device, resolve_precision, write_metrics
-    _check_interrupted()   # (the imports are done)
+    with _ctrl_c_after():   # (a Ctrl-C during these imports is raised once they are done)
+        import torch
+        from .data import digits_dls, folder_dls
+        from .models import DEFAULT_ARCH, check_arch
+        from .finetune import build_learner, finetune, plot_training, resolve_device, resolve_precision, write_metrics
     check_arch(args.arch)
     try: device = resolve_device(args.device)
     except ValueError as e: raise UsageError(f"argument --device: {e}") from None
@@ -353,23 +353,37 @@ def _refused_resume(e)->str:
             "(with --overwrite to replace the results) or into another --out")
 
 _INTERRUPTED = []   # SIGINT seen (`run` installs the handler): checked where a library might have swallowed its KeyboardInterrupt
+_DEFERRED = []      # inside `_ctrl_c_after()`: the handler records a SIGINT and returns
 
 def _check_interrupted():
-    "Ctrl-C came earlier but its KeyboardInterrupt was swallowed (a bare `except:` in an import): honour it here"
+    "Ctrl-C came earlier but its KeyboardInterrupt was deferred or swallowed (a bare `except:` in an import): honour it here"
     if _INTERRUPTED: raise KeyboardInterrupt
+
+@contextlib.contextmanager
+def _ctrl_c_after():
+    """A Ctrl-C inside this block is raised at its end. For imports: Python runs a signal handler at the next bytecode,
+    which during `import torch` can be Python code that native code called, where a KeyboardInterrupt cannot cross back:
+    the process aborts ('terminate called after throwing an instance of python_error', status -6: seen once, in CI,
+    with a Ctrl-C 1 s into the job's imports)"""
+    _DEFERRED.append(True)
+    try: yield
+    finally: _DEFERRED.pop()
+    _check_interrupted()
 
 def run(prog:str=PROG):
     """`accum-finetune`, `python -m accum_callback` and `python -m accum_finetune`: `main()`'s status as the process's exit
     status. After Ctrl-C it leaves with `os._exit(130)`: CPython kills itself with SIGINT at exit when a KeyboardInterrupt
     once crossed code run through its C API (as imports can), even one that was caught, turning 130 into -2."""
-    import os, signal
-    def on_sigint(sig, frame):
-        _INTERRUPTED.append(sig)
-        raise KeyboardInterrupt
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler: signal.signal(signal.SIGINT, on_sigint)
+    import signal
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler: signal.signal(signal.SIGINT, _on_sigint)
     code = main(prog=prog)
     if code == 130: sys.stdout.flush(); sys.stderr.flush(); os._exit(130)
     sys.exit(code)
+
+def _on_sigint(sig, frame):
+    "The job's SIGINT handler: recorded, and a `KeyboardInterrupt` unless inside `_ctrl_c_after()`"
+    _INTERRUPTED.append(sig)
+    if not _DEFERRED: raise KeyboardInterrupt
 
 _CHECKPOINTS = []   # the run's checkpoint folder, once `--checkpoint-minutes` made one: a Ctrl-C leaves it for --resume
 

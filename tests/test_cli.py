@@ -215,6 +215,26 @@ def test_ctrl_c_one_line_exit_130(tmp_path, delay):
     assert p.returncode == 130 and [l for l in err.splitlines() if l.strip()] == ['python -m accum_callback: interrupted; nothing written'], err
     assert not out.exists()
 
+def test_a_ctrl_c_during_the_imports_is_raised_once_they_are_done():
+    """The job's SIGINT handler inside `_ctrl_c_after()` (around its imports) records the Ctrl-C and lets the block run
+    to its end, which raises it: a KeyboardInterrupt raised inside code that native code called during `import torch`
+    aborted the job once in CI (status -6 instead of 130). Outside the block it raises at once"""
+    from accum_finetune import cli
+    old = signal.signal(signal.SIGINT, cli._on_sigint)
+    ran = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with cli._ctrl_c_after():
+                signal.raise_signal(signal.SIGINT)   # (the handler runs here, before the next line)
+                ran.append('after the signal')
+        assert ran == ['after the signal'] and cli._INTERRUPTED
+        cli._INTERRUPTED.clear()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+            ran.append('not reached')
+        assert ran == ['after the signal']
+    finally: signal.signal(signal.SIGINT, old); cli._INTERRUPTED.clear()
+
 # -- bad input -------------------------------------------------------------------------------------------------
 def test_missing_folder(tmp_path):
     out = tmp_path/'out'; check_error(run_cli('--data', tmp_path/'nope', '--out', out), out, tmp_path/'nope')
