@@ -94,7 +94,7 @@ class Checkpoint(Callback):
         self.place = FitPlace()
         self._opt_steps,self._step_cancelled = 0,False
         self.serial = max(self._serials(), default=0)
-        self._fit_args = {}; self._fit_args = fit_arguments(self.learn)
+        self._sig,self._fit_args = None,{}; self._fit_args = fit_arguments(self.learn)
         self._signals = StopSignals(self.signals, self._asked)
         add_fit_guard(self.learn, 'checkpoint', lambda e: None if isinstance(e, CANCELS) else self._finish_fit(together=False))
         try:
@@ -186,8 +186,11 @@ class Checkpoint(Callback):
 
     # -- saving ---------------------------------------------------------------------------------------------------
     def signature(self)->dict:
-        "What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs)"
-        return json_normal(fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
+        """What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs):
+        taken once a fit (nothing in it changes within one; every checkpoint holds it), read-only"""
+        if getattr(self, '_sig', None) is None:
+            self._sig = json_normal(fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
+        return self._sig
 
     def _snapshot(self, where:str, whole:bool)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
         "The fit's state, piece by piece: the place in the fit, what training has made (`whole`: the model too), what a resume must match"
