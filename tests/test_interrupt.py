@@ -75,9 +75,12 @@ def test_an_exception_at_any_event_leaves_everything_as_before(tmp_path, config,
         with l.no_logging(): l.fit(1)
     assert all(torch.equal(x, y) for x,y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
 
-def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path):
+@pytest.mark.parametrize('ga', [dict(n_step=2), dict(n_step=2, micro_bs=2)])
+def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path, ga):
+    """`micro_bs`: its `MicroBatching` left the Learner for good in `summary()` (its `GradientAccumulation` was taken off
+    for the pass, which made it an orphan)"""
     import fastai.callback.schedule, fastai.callback.hook   # (lr_find, summary)
-    cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', batches=2)]
+    cbs = [GradientAccumulation(**ga), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', batches=2)]
     learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path, cbs=cbs)
     before = _snapshot(learn)
     learn.summary()   # (fastai's summary takes the `_only_train_loop` callbacks off and adds them back at the end)
@@ -86,7 +89,10 @@ def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path):
     before = _snapshot(learn)
     with learn.no_logging(): learn.lr_find(num_it=5, show_plot=False)
     assert _snapshot(learn) == before and not list((tmp_path/'ck').glob('*.pt'))   # lr_find is no fit to checkpoint
+    seen = []   # (the fit after them still cuts its loader batches of 4 into micro-batches of 2)
+    h = learn.model.register_forward_pre_hook(lambda m, a: seen.append(len(a[0])) if m.training else None)
     with learn.no_logging(): learn.fit(1)
+    h.remove(); assert set(seen) == ({2} if 'micro_bs' in ga else {4})
     learn.get_preds(); assert _snapshot(learn) == before
 
 # -- the stop button of a live Jupyter kernel -----------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class MicroBatching(Callback, Companion):
     inference piece that fitted (None: not cut); `trials`: items/s the probe measured per size; `piece`: the piece being
     run (`loader.Piece`, None outside a cut training loader)."""
     order,run_valid = MixedPrecision.order-5,True   # before GradientAccumulation (order-4): the ranks agree before it counts
+    # `learn.summary()` takes the `_only_train_loop` callbacks off for its pass (`GradientAccumulation` too): this one
+    # goes with it (left on alone, it was an orphan that left the Learner for good)
+    _only_train_loop = True
 
     def __init__(self,
         size:int|str='auto', # items a micro-batch, or 'auto': the fastest that fits
