@@ -18,7 +18,7 @@ from .micro import MicroBatching, check_micro_bs, micro_batching
 from .loaders import ReadAhead
 from .micro.loader import CutLoader
 from .advice import warn_at_fit_start, warn_counting
-from .plan import WindowPlan
+from .plan import Padding, WindowPlan
 from .schedule import PARTIAL_MODES
 from .validate import flag
 from .window import Phase, Window
@@ -62,7 +62,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         if self.companion is not None: self.companion.brought_by = self
         self.mb,self._joined,self._new_fit,self.window_listeners = None,[],False,Listeners()
         self.said = set()   # what `advice` has said at fit start (once each: 'window', 'layers', 'fsdp')
-        self._ahead,self.window = None,Window()   # the training loader read ahead; the window in progress
+        self._ahead,self.window,self.padding = None,Window(),Padding()   # the training loader read ahead; the window in progress; a padding micro-batch
         self.reset_logs()
 
     def companions(self)->list: "The `MicroBatching` of `micro_bs`"; return [self.companion] if self.companion is not None else []
@@ -138,7 +138,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         if plan.clock.epoch != learn.epoch:   # the clock counts the epoch's windows over the loader's real batches
             real = self.mb.loader.dl if self.mb is not None and self.mb.loader is not None else (self._ahead.dl if self._ahead is not None else learn.dl)
             plan.start_epoch(learn, real, w.n_units if self.mb is not None else w.n_micro, w.n_samples, ddp)
-        if p is None:   # a micro-batch is a loader batch: decide at each
+        if plan.dealt is not None: action = plan.dealt_unit(learn, w, self.padding)   # `global_window` on several processes: micro-batches dealt
+        elif p is None:   # a micro-batch is a loader batch: decide at each
             if not w.n_micro: w.target = plan.window_starts(learn)
             last = self._ahead.last if self._ahead is not None else learn.iter == learn.n_iter-1
             action = plan.decide(learn, w.target, bs, w.n_micro, w.n_samples, last, ddp)
@@ -153,7 +154,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
 
     def before_backward(self):
         learn,w = self.learn,self.window
-        n = micro_items(learn, self.n_items, w.bs)   # the count the micro-batch's loss averages over
+        n = 0 if self.padding.on else micro_items(learn, self.n_items, w.bs)   # the count the micro-batch's loss averages over
         if 'count' not in self.said: warn_counting(self)
         # the window's first micro-batch: its reference (under DDP the loader's batch size, the same on every rank), the
         # loss's kind, and the hyper-parameters the schedule gives now, which its step uses
@@ -170,7 +171,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         w.exit_no_sync()
         if w.pending is None: return
         loss = self.learn.loss.detach()
-        w.add(w.pending, w.bs, loss.to(count_dtype(loss)))
+        w.add(w.pending, 0 if self.padding.on else w.bs, loss.to(count_dtype(loss)))
 
     def before_step(self):
         learn,w,opt = self.learn,self.window,self.learn.opt
@@ -210,7 +211,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
     def _end_micro(self):
         "Finish the micro-batch: leave no_sync, put hyper-parameters back, and drop a window whose step was cancelled after its backward"
         w = self.window
-        w.exit_no_sync(); w.put_back_hypers(self.learn.opt)
+        w.exit_no_sync(); w.put_back_hypers(self.learn.opt); self.padding.end()
         if w.action is not None and not w.closed and (w.counted or w.record is not None):
             self.n_step_cancelled += 1; self._close(False)
         w.end_micro()
@@ -226,7 +227,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
     def _discard_window(self, drop=False):
         "Zero the gradients of an open window and forget it"
         w = self.window
-        w.exit_no_sync(); w.put_back_hypers(getattr(self.learn, 'opt', None))
+        w.exit_no_sync(); w.put_back_hypers(getattr(self.learn, 'opt', None)); self.padding.end()
         if drop and w.n_micro: self.n_dropped += 1
         self._zero_grads()
         if w.n_micro: self._close(False, zero=False)

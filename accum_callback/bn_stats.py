@@ -182,7 +182,8 @@ class PooledStats:
         "The window is over: one running-statistics update per layer if it stepped, none if not; the slots are cleared"
         self.end_micro(False)
         J = max(map(len, self.counts), default=0)
-        if J and stepped: self._apply(J)
+        # (over ranks: a rank that ran only padding in the window still takes part, with nothing of its own)
+        if stepped and (J or self.over_ranks): self._apply(max(J, 1))
         if J: self.S[:J].zero_()
         self.counts = [[] for _ in self.bns]
 
@@ -190,9 +191,10 @@ class PooledStats:
         L = len(self.bns)
         # host side, one (J+1, L) table: item counts per slot and layer, then each layer's lerp weight. A layer with no
         # forward in the window gets a fake count of 2 on its zero slot 0 (finite pooled statistics) and weight 0
-        n = [[0.]*L for _ in range(J+1)]
+        n,ran = [[0.]*L for _ in range(J+1)],self._ran()
         for l,cs in enumerate(self.counts):
-            if not cs: n[0][l] = 2.; continue
+            if not cs: n[0][l] = 2.
+            if not ran[l]: continue
             for j,c in enumerate(cs): n[j][l] = float(c)
             m = self.momenta[l]
             if m is None: self.nbt_host[l] += 1; m = 1/self.nbt_host[l]
@@ -210,12 +212,22 @@ class PooledStats:
         new = torch.cat(rms + rvs).view(2, -1).double().lerp_(torch.stack([mean, var]), table[J]).to(self.dtype)
         foreach('copy_')(rms + rvs, list(new.view(-1).split(self.sizes*2)))
         if self.staged:   # the layers counted every forward: one count a window, from the host's tally
-            for l,c in enumerate(self.counts):
+            for l,c in enumerate(ran):
                 if c and self.nbt_now[l] is not None: self.nbt_now[l] += 1
             self.fix_nbt()
             return
-        called = [bn.num_batches_tracked for bn,c in zip(self.bns, self.counts) if c and bn.num_batches_tracked is not None]
+        called = [bn.num_batches_tracked for bn,c in zip(self.bns, ran) if c and bn.num_batches_tracked is not None]
         if called: foreach('add_')(called, 1)
+
+    def _ran(self)->list:
+        """Which layers ran in the window: here, or over ranks on any rank (a rank dealt only padding ran none, and
+        updates its running statistics from the others' as they do)"""
+        ran = [bool(c) for c in self.counts]
+        if not self.over_ranks: return ran
+        import torch.distributed as dist
+        t = torch.tensor(ran, dtype=torch.float32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
 
     def _over_ranks(self, n, mean, var)->tuple[torch.Tensor,torch.Tensor]:
         """`pooled_mean_var` of the window over all ranks (`over_ranks`: a `global_window` run, whose window is the same

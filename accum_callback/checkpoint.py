@@ -90,7 +90,7 @@ class Checkpoint(Callback):
         if self._off: return
         refuse_at_fit_start(self.learn)   # (every callback of ours, this one's folder included: before any sets up)
         self.n_fit += 1
-        self._stop,self._exit,self._t0,self._last_steps,self._checked_steps,self._deferred = None,None,time.monotonic(),0,0,False
+        self._stop,self._exit,self._t0,self._last_steps,self._checked_steps,self._deferred,self._agreed = None,None,time.monotonic(),0,0,False,False
         self.place = FitPlace()
         self._opt_steps,self._step_cancelled = 0,False
         self.serial = max(self._serials(), default=0)
@@ -160,15 +160,16 @@ class Checkpoint(Callback):
         if steps == self._checked_steps and not end: return due
         self._checked_steps = steps   # (one all-reduce a window, where the step has one anyway)
         timed = self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes
-        signalled,timed = reduce_floats([float(self._stop is not None), float(timed)])
+        signalled,timed = reduce_floats([float(self._stop is not None), float(timed)]); self._agreed = bool(signalled)
         if signalled and self._stop is None: self._stop = signal.SIGTERM   # another rank was asked to stop: all stop
         return due or bool(signalled) or bool(timed)
 
     def _after_save(self):
         self._last_steps,self._t0 = self._steps(),time.monotonic()
-        if self._stop is not None:   # asked to stop: the fit ends cleanly (every callback's `after_fit`), then the process
-            self._exit,self._stop = self._stop,None
-            raise CancelFitException()
+        if self._stopping():   # asked to stop: the fit ends cleanly (every callback's `after_fit`), then the process
+            self._exit,self._stop = self._stop,None; raise CancelFitException()
+
+    def _stopping(self)->bool: "Asked to stop (under DDP agreed by every rank at the last window's end: a signal after it waits for the next)"; return self._stop is not None and (process_count() == 1 or self._agreed)
 
     def _asked(self, sig):
         "SIGTERM or SIGINT: a checkpoint at the next micro-batch's end, then the fit stops; asked twice: stop at once"
@@ -206,7 +207,7 @@ class Checkpoint(Callback):
         except OSError as e: st,err = None,e
         if st is not None: self._writer.start(lambda: _write(f, st))
         self._inflight = (f, self.serial, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt' if where == 'done' and whole else None, err)
-        if where == 'done' or not whole or self._stop is not None: self._flush()
+        if where == 'done' or not whole or self._stopping(): self._flush()
 
     def _flush(self, together:bool=True):
         """The checkpoint in flight: written, counted once every rank has written its file, the old ones removed, a

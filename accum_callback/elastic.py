@@ -14,7 +14,7 @@ from .checkpoint_format import CheckpointError, is_rank_shard, read_checkpoint
 from .compat import rng_states
 from .distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
-from .global_order import global_samples, rank_batches
+from .global_order import global_samples, rank_batches, window_ends
 from .guard import RunningStatsPolicy
 from .precise import trained_bn_layers
 
@@ -70,16 +70,19 @@ def elastic_state(ckpt, serial:int, st:dict, ga, mine:dict|None=None)->tuple[dic
         raise CheckpointError(f"{where}, and it holds half a window ({st['callbacks'][ga_key]['window']['n_micro']} "
                               f"micro-batch(es) a rank), which cannot be cut again for {new}: launch {old} processes, or "
                               "resume from a checkpoint at a window's end (`every=`, epoch ends and signals save there)")
-    window,bs = ga.plan.target_bs(),learn.dls.train.bs
-    k = batches_in_world(st['k'], window, old, new, bs)
-    n = global_samples(learn.dls.train)
-    per_epoch = rank_batches(n, window, new, process_rank(), bs, ga.plan.partial != 'drop', bool(getattr(learn.dls.train, 'drop_last', False)))
+    window,bs,n = ga.plan.target_bs(),learn.dls.train.bs,global_samples(learn.dls.train)
+    deal = dict(bs=bs, partial=ga.plan.partial != 'drop', drop_last=bool(getattr(learn.dls.train, 'drop_last', False)))
+    k = batches_in_world(st['k'], n, window, old, new, **deal)
+    per_epoch = rank_batches(n, window, new, process_rank(), **deal)
     return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)
 
-def batches_in_world(k:int, window:int, old:int, new:int, bs:int)->int:
-    """A rank's loader batches of `bs` done in an epoch, `k` on `old` processes at a window's end, counted again on `new`
-    processes: the same windows done (`window` samples each, every rank its `window/world` share: `global_order`)"""
-    return k//(window//(old*bs))*(window//(new*bs))
+def batches_in_world(k:int, n:int, window:int, old:int, new:int, bs:int, partial:bool=True, drop_last:bool=False)->int:
+    """A rank's micro-batches done in an epoch of `n` samples, `k` on `old` processes at a window's end, counted again
+    on `new` processes: the same windows done (`global_order.deal`: each window's micro-batches dealt whole, padding
+    included, as many on every rank)"""
+    ends = window_ends(n, window, old, bs, partial, drop_last)
+    if k not in ends: raise CheckpointError(f"Checkpoint: {k} micro-batches a rank is not a window's end on {old} processes")
+    return window_ends(n, window, new, bs, partial, drop_last)[ends.index(k)]
 
 def _rank_shard(o, where='state')->str|None:
     "Where in `o` (a checkpoint's state) a rank's shard of a DTensor is (a callback's state), or None"

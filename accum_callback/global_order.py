@@ -1,38 +1,62 @@
 """One global order of samples for every number of processes (`GradientAccumulation(target_bs=..., global_window=True)`).
 fastai's `DistributedDL` gives rank r a contiguous r-th of the epoch's order, so a window of 2 ranks x 2 micro-batches
 holds other samples than one of 1 rank x 4 (and pads the order by repeating samples). `WindowShardDL` cuts the same
-global order (rank 0's, shared) into windows of `target_bs` samples and gives each rank its contiguous share of each
-window: a window holds the same samples, cut into the same micro-batches, on 1, 2 or 4 ranks, and the run is the same
-large-batch run on any of them (docs/distributed.md)"""
+global order (rank 0's, shared) into the micro-batches one process cuts it into, groups them into windows of
+`target_bs` samples as one process does, and deals each window's micro-batches whole to the ranks, in contiguous
+blocks, the first ranks one more where they do not divide (`deal`). A rank with fewer runs *padding* micro-batches
+first (a copy of the window's first one, which `GradientAccumulation` runs in eval mode with zero weight), so that
+every rank runs as many micro-batches a window and the window's one reduction finds them all. A window then holds the
+same samples cut into the same micro-batches on any number of ranks, for any dataset size, partial last windows and
+`drop_last` included, and the run is the same large-batch run on any of them (docs/distributed.md)"""
 from __future__ import annotations
-import functools
+import functools, itertools
 
 import torch
 import torch.distributed as dist
 
-__all__ = ['share_problem', 'check_fastai_sharding', 'global_samples', 'window_share', 'rank_batches', 'window_shard_dl', 'shard_by_window', 'check_window_share']
+__all__ = ['share_problem', 'check_fastai_sharding', 'global_samples', 'window_micro_batches', 'deal_layout', 'deal',
+           'rank_batches', 'window_ends', 'window_shard_dl', 'shard_by_window', 'check_window_share']
 
 def global_samples(dl)->int:
     "Samples in an epoch of the whole training loader (`dl`, or the loader fastai's `DistributedDL` wraps)"
     return dl.__dict__.get('dl', dl).n
 
-def window_share(idxs:list, window:int, world:int, rank:int, partial:bool=True, unit:int=1)->list:
-    """Rank `rank`'s samples of the global order `idxs`: its contiguous `window/world` share of each whole window of
-    `window` samples, and of a partial last window as even a share as can be, in `unit`s, the first ranks one more
-    (`partial=False`: left out, no rank reads it). `unit`: the micro-batch where the loader drops an incomplete one
-    (fastai's `drop_last`): the order is cut to whole micro-batches first, as one process's loader cuts it"""
-    idxs = idxs[:len(idxs)//unit*unit]
-    share,full = window//world,len(idxs)//window*window
-    out = [i for s in range(0, full, window) for i in idxs[s+rank*share:s+(rank+1)*share]]
-    if partial and len(idxs) > full:
-        base,extra = divmod((len(idxs)-full)//unit, world)
-        lo = full + (rank*base + min(rank, extra))*unit
-        out += idxs[lo:lo+(base+(rank < extra))*unit]
+def _kept(n:int, bs:int, drop_last:bool)->int: "Samples one process's loader reads an epoch (fastai's `drop_last`: whole micro-batches)"; return n//bs*bs if drop_last else n
+
+def window_micro_batches(n:int, window:int, bs:int, partial:bool=True, drop_last:bool=False)->list:
+    """One process's epoch of `n` samples in micro-batches of `bs` (`window` a multiple of `bs`), window by window: how
+    many micro-batches each window holds (a partial last one too, unless `partial=False`: no process reads it)"""
+    m = _kept(n, bs, drop_last)
+    return [window//bs]*(m//window) + ([-(-(m % window)//bs)] if m % window and partial else [])
+
+def _share(k:int, world:int, rank:int)->tuple:
+    "A window of `k` micro-batches dealt to `world` ranks: rank `rank`'s first micro-batch, how many it runs, how many of them are padding"
+    base,extra = divmod(k, world)
+    real,per = base + (rank < extra),-(-k//world)
+    return rank*base + min(rank, extra),real,per - real
+
+def deal_layout(n:int, window:int, world:int, rank:int, bs:int, partial:bool=True, drop_last:bool=False)->list:
+    "Rank `rank`'s windows of an epoch as `(padding, micro-batches)`: it runs `padding` copies, then `micro-batches - padding` of the window's own"
+    return [(pad, real + pad) for _,real,pad in (_share(k, world, rank) for k in window_micro_batches(n, window, bs, partial, drop_last))]
+
+def deal(idxs:list, window:int, world:int, rank:int, bs:int, partial:bool=True, drop_last:bool=False)->list:
+    """Rank `rank`'s samples of the global order `idxs`, micro-batch after micro-batch (`deal_layout`): in each window
+    its padding (copies of the window's first micro-batch), then its block of the window's micro-batches. Only the
+    epoch's last micro-batch can be short, and it ends the list of the rank it falls to (padding comes first)"""
+    idxs,out = list(idxs)[:_kept(len(idxs), bs, drop_last)],[]
+    for j,k in enumerate(window_micro_batches(len(idxs), window, bs, partial, drop_last)):
+        first,real,pad = _share(k, world, rank)
+        mb = lambda i: idxs[j*window + i*bs:j*window + (i+1)*bs]
+        out += mb(0)*pad + [x for i in range(first, first + real) for x in mb(i)]
     return out
 
 def rank_batches(n:int, window:int, world:int, rank:int, bs:int, partial:bool=True, drop_last:bool=False)->int:
-    "Loader batches of `bs` that rank `rank` of `world` reads in an epoch of `n` samples (`window_share`)"
-    return -(-len(window_share(range(n), window, world, rank, partial, bs if drop_last else 1))//bs)
+    "Micro-batches (loader batches of `bs`) a rank runs in an epoch of `n` samples, padding included: the same on every rank"
+    return sum(m for _,m in deal_layout(n, window, world, rank, bs, partial, drop_last))
+
+def window_ends(n:int, window:int, world:int, bs:int, partial:bool=True, drop_last:bool=False)->list:
+    "The number of micro-batches every rank has run at each window's end in an epoch (0 first: the epoch's start)"
+    return [0, *itertools.accumulate(m for _,m in deal_layout(n, window, world, 0, bs, partial, drop_last))]
 
 @functools.cache
 def window_shard_dl()->type:
@@ -40,7 +64,7 @@ def window_shard_dl()->type:
     with it), which a fit on one process should not pay for"""
     from fastai.distributed import DistributedDL
     class WindowShardDL(DistributedDL):
-        "fastai's `DistributedDL` over `dl`, sharded window by window of `window` samples (`window_share`; `partial`: the last one shared too)"
+        "fastai's `DistributedDL` over `dl`, each window of `window` samples dealt in whole micro-batches (`deal`; `partial`: the last one too)"
         def __init__(self, dl, window:int, rank:int|None=None, world_size:int|None=None, partial:bool=True):
             super().__init__(dl, rank, world_size)
             self.window,self.partial = window,partial
@@ -52,11 +76,20 @@ def window_shard_dl()->type:
             dist.broadcast(t, rank)
             return t.cpu().tolist()
 
+        def layout(self)->list:
+            "This rank's windows of an epoch as `(padding, micro-batches)` (`deal_layout`; read at each micro-batch: kept)"
+            key = (self.dl.n, self.window, self.world_size, self.rank, self.bs, self.partial, self.drop_last)
+            if self.__dict__.get('_layout_key') != key: self._layout,self._layout_key = deal_layout(*key),key
+            return self._layout
+        def one_process_sizes(self)->list:
+            "The micro-batch sizes one process reads in an epoch (what the schedule's clock counts windows over)"
+            m = _kept(self.dl.n, self.bs, self.drop_last)
+            return [min(self.bs, m - i*self.bs) for i in range(-(-m//self.bs))]
         def __len__(self)->int: return rank_batches(self.dl.n, self.window, self.world_size, self.rank, self.bs, self.partial, self.drop_last)
         def get_idxs(self)->list:
             idxs = self._broadcast(list(self.dl.get_idxs()), 0)   # (every rank draws it, as fastai's, so RNGs stay alike)
             self.n = len(idxs)
-            return window_share(idxs, self.window, self.world_size, self.rank, self.partial, self.bs if self.drop_last else 1)
+            return deal(idxs, self.window, self.world_size, self.rank, self.bs, self.partial, self.drop_last)
     return WindowShardDL
 
 def shard_by_window(dl, window:int, partial:str):
@@ -81,19 +114,12 @@ def check_fastai_sharding(learn):
         raise ValueError(_NOT_FASTAI.format(type(dl).__name__))
 
 def share_problem(window:int, world:int, bs:int, n:int, partial:str, drop_last:bool=False)->str|None:
-    """Why `world` ranks cannot share each window of `window` samples of an epoch of `n` in micro-batches of `bs` as
-    one process runs them (`drop_last`: fastai's loader drops an incomplete last micro-batch), or None"""
-    if window % (world*bs):
-        return (f"GradientAccumulation(target_bs={window}, global_window=True): a window of {window} samples over "
-                f"{world} ranks in micro-batches of {bs} is {window/(world*bs):g} micro-batches a rank; give a "
-                f"target_bs that {world}x{bs} = {world*bs} divides, or a loader batch size that divides {window//world}")
-    m = n % window//bs*bs if drop_last else n % window   # a partial last window (dropped: no rank reads it)
-    base,extra = divmod(m//bs if drop_last else m, world)
-    if m and partial != 'drop' and ((extra if drop_last else base == 0 or (extra and base % bs == 0))):
-        return (f"GradientAccumulation(target_bs={window}, global_window=True): {n} samples leave a last window of {m}"
-                + (f" (the loader's drop_last leaves {n % window - m} out)" if drop_last and n % window - m else '')
-                + f", which {world} ranks cannot share in as many micro-batches of {bs} each: give partial='drop' (every "
-                "number of processes drops it), or a target_bs that leaves another remainder")
+    """Why `world` ranks cannot run each window of `window` samples of an epoch of `n` as one process runs it in
+    micro-batches of `bs`, or None. Whole micro-batches are dealt (`deal`), so only a window that is not a whole number
+    of micro-batches is refused: one process then closes it at another size"""
+    if window % bs:
+        return (f"GradientAccumulation(target_bs={window}, global_window=True): a window of {window} samples in micro-batches "
+                f"of {bs} is {window/bs:g} micro-batches; give a target_bs that {bs} divides, or a loader batch size that divides {window}")
     return None
 
 def check_window_share(window:int, world:int, bs:int, n:int, partial:str, drop_last:bool=False):

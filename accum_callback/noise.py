@@ -178,7 +178,7 @@ class GradientNoiseScale(Callback):
         if is_distributed(self.model):
             mine = torch.stack([g_small2, 1/b.to(dev)])
             if self.ga.plan.global_window:   # rank 0's first micro-batch is one process's (each window's first samples):
-                g_small2,inv_b = self._sum_over_ranks(mine*float(dist.get_rank() == 0)).unbind()   # the same estimates on any number
+                g_small2,inv_b = self._sum_over_ranks(mine if dist.get_rank() == 0 else torch.zeros_like(mine)).unbind()   # the same estimates on any number (another rank's first may be padding: 1/b infinite)
             else:   # each rank's own micro-batch: average the ranks' squared norms and 1/b
                 g_small2,inv_b = (self._sum_over_ranks(mine)/dist.get_world_size()).unbind()
             b = 1/inv_b

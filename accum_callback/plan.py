@@ -10,7 +10,7 @@ from .loaders import batch_sizes
 from .schedule import WindowClock, WindowSchedule, decide, window_arguments
 from .validate import flag
 
-__all__ = ['WindowPlan']
+__all__ = ['WindowPlan', 'Padding']
 
 class WindowPlan:
     "The window's size and rule, from `GradientAccumulation`'s window arguments (checked at construction)"
@@ -32,6 +32,7 @@ class WindowPlan:
                              "is not cut alike on another number of processes; give partial='step' (the default) or 'drop'")
         self.n_acc = n_acc   # fastai's spelling of `target_bs` (its windows carried over epochs)
         self.clock,self.decided = WindowClock(),0   # `decided`: the last loader batch decided (`micro_bs`)
+        self.dealt = None   # a `global_window` fit on several processes: the `WindowShardDL` that deals the windows
 
     @property
     def sched(self)->WindowSchedule: "The window's schedule"; return self.n_step or self.target_bs
@@ -54,8 +55,19 @@ class WindowPlan:
         check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial, bool(getattr(dl, 'drop_last', False)))
 
     def loader(self, dl, model):
-        "The training loader to read: with `global_window` under DDP, fastai's rank shares cut again window by window"
-        return shard_by_window(dl, self.target_bs(), self.partial) if self.global_window and is_distributed(model) else dl
+        "The training loader to read: with `global_window` under DDP, fastai's rank shares dealt again window by window"
+        self.dealt = shard_by_window(dl, self.target_bs(), self.partial) if self.global_window and is_distributed(model) else None
+        return self.dealt if self.dealt is not None else dl
+
+    def dealt_unit(self, learn, w, padding)->str|None:
+        """A dealt window's micro-batch (`global_order.deal`): its action, 'step' at the window's last (alike on every
+        rank), or None; `padding` started where it is one (a copy run with zero weight: this rank holds fewer of the
+        window's micro-batches)"""
+        if not w.n_units: w.target = self.window_starts(learn)
+        pad,per = self.dealt.layout()[self.clock.j - 1]   # (the clock counts the epoch's windows, one process's: this one is its last)
+        w.n_units += 1
+        if w.n_units <= pad: padding.start(learn.model)
+        return 'step' if w.n_units == per else None
 
     def micro_batches(self, window, bs:int|None, mb=None)->int:
         "Micro-batches a full window takes now: its units at loader batch size `bs`, each cut by `mb` (`MicroBatching`) where it cuts"
@@ -72,7 +84,8 @@ class WindowPlan:
 
     def start_epoch(self, learn, dl, units:int, seen:int, ddp:bool):
         "An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows"
-        sizes = [learn.dls.train.bs*self.ranks]*len(batch_sizes(dl)) if ddp else batch_sizes(dl)
+        sizes = (self.dealt.one_process_sizes() if self.dealt is not None else
+                 [learn.dls.train.bs*self.ranks]*len(batch_sizes(dl)) if ddp else batch_sizes(dl))
         self.clock.start_epoch(learn.epoch, learn.n_epoch, sizes, self.sched, self.by_items, self.partial, units, seen)
 
     def window_starts(self, learn)->int:
@@ -99,3 +112,15 @@ class WindowPlan:
                 or not all(v is None or type(v) in (int, float) for v in clock.values())):
             raise ValueError(f"a window plan's state {sd!r:.120}: not a plan this package wrote")
         self.clock.__dict__.update(clock); self.decided = sd['decided']
+
+class Padding:
+    """A padding micro-batch in progress (`WindowPlan.dealt_unit`): every module in eval mode, so that BatchNorm neither
+    normalises with it nor updates its statistics from it (its weight is zero), each module's mode put back after"""
+    def __init__(self): self.modes = None
+    @property
+    def on(self)->bool: "Is the micro-batch in progress padding?"; return self.modes is not None
+    def start(self, model): self.modes = [(m, m.training) for m in model.modules()]; model.eval()
+    def end(self):
+        if self.modes is None: return
+        for m,t in self.modes: m.training = t
+        self.modes = None

@@ -119,12 +119,14 @@ def check_args(args)->argparse.Namespace:
         else:
             args.effective_bs = 32 if args.effective_bs is None else args.effective_bs
             per = args.loader_bs*world   # one loader batch on every process
-            procs = f" x {world} processes" if world > 1 else ''
-            if per > args.effective_bs:
+            # (`global_window` deals each window's loader batches whole to the processes: any number of them; else each
+            # process steps on its own loader batches, which the window must hold as many of on every process)
+            unit,procs = (args.loader_bs,'') if args.global_window else (per,f" x {world} processes" if world > 1 else '')
+            if unit > args.effective_bs:
                 raise UsageError(f"argument {bs_flag}: {args.loader_bs}{procs} is larger than --effective-bs {args.effective_bs}")
-            if args.effective_bs % per:
+            if args.effective_bs % unit:
                 raise UsageError(f"argument --effective-bs: {args.effective_bs} is not a multiple of {bs_flag} {args.loader_bs}{procs}")
-            args.n_step = args.effective_bs//per
+            args.n_step = -(-args.effective_bs//per)   # (the most loader batches a process runs a window)
     if args.out.exists() and not args.out.is_dir(): raise UsageError(f"--out {args.out}: exists and is not a folder")
     held = [f for f in RESULTS if (args.out/f).exists()]
     if held and not (args.overwrite or args.check_only):   # --check-only writes nothing
@@ -207,11 +209,9 @@ def _run(args)->int:
         weights = str(_rank0_first(lambda: pretrained_checkpoint(DEFAULT_ARCH, args.size)))
     elif weights == 'none': weights = None
     tmp = Path(tempfile.mkdtemp(prefix='accum-finetune-'))
-    # each window the same samples on any number of processes where this number can share them as one process runs
-    # them (else `--n-step`'s windows a process, refused by a resume on another number): `global_order.share_problem`
-    from accum_callback.global_order import share_problem
-    tr = dls.train
-    global_window = getattr(args, 'global_window', False) and share_problem(args.effective_bs, _world(), tr.bs, tr.n, 'step', tr.drop_last) is None
+    # each window the same samples, dealt in whole loader batches, on any number of processes (`global_order.deal`): a
+    # stop on one number resumes on another; `--n-step` and `--micro-bs` keep each process's own windows
+    global_window = getattr(args, 'global_window', False)
     try:
         learn = build_learner(dls, args.arch, weights=weights, n_step=args.n_step, bn=args.bn, precision=precision,
                               lr=args.lr, seed=args.seed, micro_bs=args.micro_bs, bn_precise=args.bn_precise,

@@ -19,7 +19,8 @@ class WindowIds(Callback):
     def before_fit(self):
         self.windows,self.cur = [],[]
         self.learn.gradient_accumulation.on_window_close(self.closed)
-    def after_backward(self): self.cur += self.learn.xb[0][:, 0].round().long().tolist()
+    def after_backward(self):   # (a padding micro-batch, run with zero weight, holds none of the window's samples)
+        if not self.learn.gradient_accumulation.padding.on: self.cur += self.learn.xb[0][:, 0].round().long().tolist()
     def closed(self, stepped):
         if stepped: self.windows.append(self.cur)
         self.cur = []

@@ -656,8 +656,12 @@ def test_torchrun_on_a_fresh_machine_a_small_folder_and_micro_bs_auto(tmp_path):
     # 27 validation images (one is 3.7 points): both at most two wrong of a task that chance gets a third of
     assert min(a['accuracy'], b['accuracy']) >= 25/27 - 1e-9, (a['accuracy'], b['accuracy'])
 
-def test_torchrun_refuses_a_global_batch_the_processes_do_not_divide(tmp_path):
-    r = _torchrun('--epochs', '1', '--device', 'cpu', '--loader-bs', '4', '--effective-bs', '12', '--out', tmp_path/'o')
+def test_torchrun_refuses_a_global_batch_of_part_of_a_loader_batch(tmp_path):
+    """The window is dealt in whole loader batches (12 on 2 processes is 3 of 4: fine, `global_window`); 14 is not whole
+    loader batches; with `--micro-bs` cutting, each process's own windows need as many loader batches on every process"""
+    r = _torchrun('--epochs', '1', '--device', 'cpu', '--loader-bs', '4', '--effective-bs', '14', '--out', tmp_path/'o')
+    assert r.returncode != 0 and 'argument --effective-bs: 14 is not a multiple of --loader-bs 4' in r.stderr
+    r = _torchrun('--epochs', '1', '--device', 'cpu', '--loader-bs', '4', '--micro-bs', '2', '--effective-bs', '12', '--out', tmp_path/'o')
     assert r.returncode != 0 and 'argument --effective-bs: 12 is not a multiple of --loader-bs 4 x 2 processes' in r.stderr
     assert not (tmp_path/'o').exists()
 
@@ -834,6 +838,25 @@ def test_the_job_stopped_on_one_number_of_processes_resumes_on_another(tmp_path,
     a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('ref', 'cut'))
     assert b['resumed_from'].endswith('.rank0.pt') and (a['processes'], b['processes']) == (old, new) and a['global_window'] and b['global_window']
     assert a['optimizer_steps'] == b['optimizer_steps'] == 2*math.ceil(a['n_train']/32) and a['effective_bs'] == b['effective_bs'] == 32
+    assert abs(a['accuracy'] - b['accuracy']) <= 0.03, (a['accuracy'], b['accuracy'])
+
+_DEFAULTS = ('--device', 'cpu', '--checkpoint-minutes', '0.0005', '--threads', '1')   # (the job's defaults: 717 training images)
+
+@pytest.mark.parametrize('old,new', [(2, 3)])
+def test_the_job_at_its_defaults_stopped_on_2_processes_resumes_on_3(tmp_path, old, new):
+    """Issue 63: at its defaults (717 training images, windows of 32 in loader batches of 4, BatchNorm 'pool') the job
+    fell back to each process's own windows on 2 processes (the last window could not be shared) and refused 3 (32 is
+    not 3 x 4 x k): now every window is dealt in whole loader batches, so a stop on 2 resumes on 3 as the same run, its
+    optimizer steps the uninterrupted run's and its accuracy within float32's noise"""
+    ref = _elastic_job(old, tmp_path/'ref', base=_DEFAULTS); _,err = ref.communicate(timeout=400)
+    assert ref.returncode == 0, err[-3000:]
+    cut = _elastic_job(old, tmp_path/'cut', base=_DEFAULTS)
+    _stop_in_epoch_2(cut, tmp_path/'cut', old)
+    again = _elastic_job(new, tmp_path/'cut', '--resume', base=_DEFAULTS); _,err = again.communicate(timeout=400)
+    assert again.returncode == 0, err[-3000:]
+    a,b = (json.loads((tmp_path/d/'metrics.json').read_text()) for d in ('ref', 'cut'))
+    assert a['global_window'] and b['global_window'] and (a['processes'], b['processes']) == (old, new) and b['resumed_from'].endswith('.rank0.pt')
+    assert a['optimizer_steps'] == b['optimizer_steps'] == 3*math.ceil(a['n_train']/32) and a['n_train'] == 717
     assert abs(a['accuracy'] - b['accuracy']) <= 0.03, (a['accuracy'], b['accuracy'])
 
 def test_the_job_refuses_to_resume_a_run_without_global_windows_on_another_number(tmp_path):

@@ -8,62 +8,79 @@ import pytest
 import torch
 
 from accum_callback import GradientAccumulation
-from accum_callback.global_order import window_share
+from accum_callback.global_order import deal, deal_layout, rank_batches, share_problem, window_ends
 from accum_callback.testing import launch_gloo
 from helpers import needs_fsdp2, rel_err
 import elastic_worker as W
 
 TOL = 1e-6
 
-def test_window_share_gives_each_rank_its_part_of_each_window():
+def _chunks(lst, bs, drop_last):
+    "A rank's list cut into loader batches as fastai's loader cuts it"
+    out = [lst[i:i+bs] for i in range(0, len(lst), bs)]
+    return [c for c in out if len(c) == bs] if drop_last else out
+
+def test_deal_gives_each_rank_whole_micro_batches_padding_first():
+    """20 samples, windows of 8 in micro-batches of 2 (4 a window), on 3 ranks: the first rank two micro-batches of each
+    window, the others one and a padding copy of the window's first; the last window (4 samples, 2 micro-batches): the
+    first two ranks one each, the third padding only"""
     idxs = list(range(20, 0, -1))
-    assert window_share(idxs, 8, 2, 0) == [20, 19, 18, 17, 12, 11, 10, 9, 4, 3] and window_share(idxs, 8, 2, 1) == [16, 15, 14, 13, 8, 7, 6, 5, 2, 1]
-    # the ranks' shares, window by window, are the global order less its partial last window (4 of 20 here)
-    for world in (1, 2, 4):
-        shares = [window_share(idxs, 8, world, r, partial=False) for r in range(world)]
-        per = 8//world
-        got = [i for k in range(2) for s in shares for i in s[k*per:(k+1)*per]]
-        assert got == idxs[:16]
-        # and the partial last window shared as evenly as can be, rank by rank in order
-        whole = [window_share(idxs, 8, world, r) for r in range(world)]
-        assert [i for s in whole for i in s[2*per:]] == idxs[16:] and max(map(len, whole)) - min(map(len, whole)) <= 1
+    assert deal(idxs, 8, 3, 0, 2) == [20, 19, 18, 17, 12, 11, 10, 9, 4, 3]
+    assert deal(idxs, 8, 3, 1, 2) == [20, 19, 16, 15, 12, 11, 8, 7, 2, 1]
+    assert deal(idxs, 8, 3, 2, 2) == [20, 19, 14, 13, 12, 11, 6, 5, 4, 3]
+    assert [deal_layout(20, 8, 3, r, 2) for r in range(3)] == [[(0, 2), (0, 2), (0, 1)], [(1, 2), (1, 2), (0, 1)], [(1, 2), (1, 2), (1, 1)]]
 
 # -- in this process: the arithmetic the runs on several processes rest on ---------------------------------------------
 from hypothesis import given, settings, strategies as st
 
-@settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 300), window=st.sampled_from([8, 12, 16, 24, 32]), world=st.integers(1, 4), bs=st.sampled_from([1, 2, 4]),
-       partial=st.sampled_from(['step', 'drop']), drop_last=st.booleans())
-def test_ranks_shares_are_the_one_process_order_window_by_window(n, window, world, bs, partial, drop_last):
-    """Where `share_problem` lets `world` ranks share the windows, the ranks' shares hold each window's samples of the
-    one-process order (whole windows: `window/world` each), no sample twice, and `rank_batches` counts each rank's batches"""
-    from accum_callback.global_order import rank_batches, share_problem
-    if share_problem(window, world, bs, n, partial, drop_last) is not None: return
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 8), world=st.integers(1, 4), bs=st.sampled_from([1, 2, 3, 4]),
+       partial=st.booleans(), drop_last=st.booleans())
+def test_ranks_run_the_one_process_micro_batches_window_by_window(n, k, world, bs, partial, drop_last):
+    """For any number of samples, window (`k` micro-batches), processes, micro-batch, partial last window and
+    `drop_last`: each rank's list, cut as fastai's loader cuts it, is `rank_batches` micro-batches, as many a window on
+    every rank; a window's real micro-batches, rank by rank, are one process's micro-batches of that window, whole and in
+    order; a padding micro-batch is a copy of the window's first; nothing is refused"""
+    window = k*bs
+    assert share_problem(window, world, bs, n, 'step' if partial else 'drop', drop_last) is None
     idxs = list(range(n, 0, -1))
-    unit = bs if drop_last else 1
-    shares = [window_share(idxs, window, world, r, partial != 'drop', unit) for r in range(world)]
-    kept = idxs[:n//unit*unit]
-    whole = len(kept)//window*window
-    per = window//world
-    for j in range(whole//window):   # window j: the ranks' parts, rank by rank, are its samples in order
-        assert sum((s[j*per:(j+1)*per] for s in shares), []) == kept[j*window:(j+1)*window]
-    rest = sorted(i for s in shares for i in s[whole//window*per:])
-    assert rest == (sorted(kept[whole:]) if partial != 'drop' else [])
-    for r,s in enumerate(shares):
-        assert rank_batches(n, window, world, r, bs, partial != 'drop', drop_last) == -(-len(s)//bs)
+    one = _chunks(idxs, bs, drop_last)
+    one_windows = [one[i:i+k] for i in range(0, len(one), k)]
+    if not partial and one_windows and sum(map(len, one_windows[-1])) < window: one_windows.pop()
+    ranks = [_chunks(deal(idxs, window, world, r, bs, partial, drop_last), bs, drop_last) for r in range(world)]
+    layouts = [deal_layout(n, window, world, r, bs, partial, drop_last) for r in range(world)]
+    assert len({tuple(m for _,m in l) for l in layouts}) == 1   # as many micro-batches a window on every rank
+    for r in range(world): assert len(ranks[r]) == rank_batches(n, window, world, r, bs, partial, drop_last) == sum(m for _,m in layouts[r])
+    assert len(layouts[0]) == len(one_windows)
+    for j,win in enumerate(one_windows):
+        got = []
+        for r in range(world):
+            start = sum(m for _,m in layouts[r][:j])
+            pad,m = layouts[r][j]
+            mine = ranks[r][start:start + m]
+            assert all(p == win[0] for p in mine[:pad])
+            got += mine[pad:]
+        assert got == win
 
 @settings(max_examples=200, deadline=None)
-@given(j=st.integers(0, 5), window=st.sampled_from([8, 16, 24, 48]), old=st.integers(1, 4), new=st.integers(1, 4), bs=st.sampled_from([1, 2, 4]))
-def test_a_place_at_a_windows_end_is_the_same_samples_on_another_number_of_processes(j, window, old, new, bs):
-    """`elastic.batches_in_world`: after `j` whole windows, the batches each rank of `old` had read and those each rank of
-    `new` reads up to the place counted again cover the same samples of the order, the first `j` windows"""
+@given(j=st.integers(0, 5), k=st.integers(1, 8), old=st.integers(1, 4), new=st.integers(1, 4), bs=st.sampled_from([1, 2, 4]),
+       extra=st.integers(0, 40))
+def test_a_place_at_a_windows_end_is_the_same_samples_on_another_number_of_processes(j, k, old, new, bs, extra):
+    """`elastic.batches_in_world`: after `j` whole windows, the micro-batches each rank of `old` had run and those each
+    rank of `new` runs up to the place counted again hold the same samples of the order, the first `j` windows"""
     from accum_callback.elastic import batches_in_world
-    if window % (old*bs) or window % (new*bs): return
-    n = (j + 2)*window
+    window = k*bs
+    n = (j + 1)*window + extra
     idxs = list(range(n))
-    k_old = j*window//(old*bs)
-    k_new = batches_in_world(k_old, window, old, new, bs)
-    read = lambda world, k: sorted(i for r in range(world) for i in window_share(idxs, window, world, r)[:k*bs])
+    k_old = window_ends(n, window, old, bs)[j]
+    k_new = batches_in_world(k_old, n, window, old, new, bs)
+    def read(world, kk):   # the real samples the ranks ran in their first `kk` micro-batches
+        out = []
+        for r in range(world):
+            mbs,pads = _chunks(deal(idxs, window, world, r, bs), bs, False)[:kk],[]
+            for pad,m in deal_layout(n, window, world, r, bs): pads += [True]*pad + [False]*(m - pad)
+            out += [i for mb,p in zip(mbs, pads) for i in mb if not p]
+        return sorted(out)
     assert read(old, k_old) == read(new, k_new) == idxs[:j*window]
 
 def _global(per_rank):
@@ -125,20 +142,34 @@ def test_with_fastai_drop_last_the_same_windows_and_steps(n, partial, steps):
     assert _global([r['windows'] for r in rs]) == one['windows'] and one['steps'] == steps
     assert rel_err(rs[0]['params'], one['params']) <= TOL
 
-def test_with_fastai_drop_last_a_last_window_the_ranks_cannot_share_is_refused():
-    "108 samples: 12 left after the windows, 3 micro-batches of 4, which 2 ranks cannot share alike"
-    with pytest.raises(RuntimeError, match=r"108 samples leave a last window of 12.*partial='drop'"):
-        launch_gloo(W.train, world=2, kwargs=dict(n=108, drop_last=True), timeout=120)
+@pytest.mark.parametrize('world,n,kw', [(2, 108, dict(drop_last=True)), (2, 97, {}), (2, 105, {}), (3, 96, {}), (3, 100, dict(drop_last=True)),
+                                         (4, 105, dict(partial='drop'))])
+def test_any_dataset_size_and_number_of_processes_is_the_one_process_run(world, n, kw):
+    """Issue 63: what was refused (a last window the ranks could not share in as many micro-batches: 108 samples with
+    `drop_last`, 97, 105; windows of 32 in micro-batches of 4 on 3 processes, 8 micro-batches for 3) is dealt in whole
+    micro-batches, padding where a rank holds fewer: the same windows and the same weights (1e-6) as one process"""
+    one = W.train(world=1, n=n, **kw)
+    rs = launch_gloo(W.train, world=world, kwargs=dict(n=n, **kw), timeout=180)
+    assert _global([r['windows'] for r in rs]) == one['windows'] and all(r['steps'] == one['steps'] for r in rs)
+    for r in rs: assert rel_err(r['params'], one['params']) <= TOL
 
-@pytest.mark.parametrize('n', [97, 105])
-def test_a_partial_last_window_the_ranks_cannot_share_is_refused(n):
-    "1 sample left (a rank would have none), or 9 in micro-batches of 4 (5 and 4: two micro-batches on one rank, one on the other)"
-    with pytest.raises(RuntimeError, match=rf"{n} samples leave a last window of {n % 32}.*partial='drop'"):
-        launch_gloo(W.train, world=2, kwargs=dict(n=n), timeout=120)
+@pytest.mark.parametrize('world,bn', [(2, 'pool'), (2, None), (3, 'pool')])
+def test_batchnorm_with_a_partial_last_window_is_the_one_process_run(world, bn):
+    """Issue 63 item 2: 100 samples, windows of 32, micro-batches of 4: the last window's 4 samples were one micro-batch
+    on one process and 2 + 2 on two, so BatchNorm normalised other batches (5.6e-2 apart, 'pool' and plain BatchNorm).
+    Dealt whole, the weights are one process's (1e-6), and with 'pool' the running statistics too"""
+    kw = dict(n=100, layer='batchnorm', bn=bn)
+    one = W.train(world=1, **kw)
+    rs = launch_gloo(W.train, world=world, kwargs=kw, timeout=180)
+    assert _global([r['windows'] for r in rs]) == one['windows']
+    for r in rs:
+        assert rel_err(r['params'], one['params']) <= TOL
+        if bn == 'pool': assert rel_err(r['buffers'], one['buffers']) <= TOL
 
-def test_a_window_the_ranks_cannot_share_is_refused_naming_the_numbers():
-    with pytest.raises(RuntimeError, match=r"target_bs=24.*3 micro-batches a rank|target_bs=24.*divides"):
-        launch_gloo(W.train, world=4, kwargs=dict(window=24), timeout=120)
+def test_a_window_that_is_not_whole_micro_batches_is_refused_naming_the_numbers():
+    "30 samples a window in micro-batches of 4: one process closes its windows at another size; refused, naming the fix"
+    with pytest.raises(RuntimeError, match=r"target_bs=30.*7.5 micro-batches.*4 divides"):
+        launch_gloo(W.train, world=2, kwargs=dict(window=30), timeout=120)
 
 def test_a_loader_fastai_did_not_shard_is_refused_at_fit_start():
     "DDP by hand over fastai's plain loader: each rank would read the whole data; refused before anything is set up, naming the way in"
@@ -177,6 +208,39 @@ def test_resumed_on_another_number_of_processes_is_the_same_run(tmp_path, one, o
     after = _global([r['windows'] for r in res])
     assert before + after == one['windows']
     for r in res: assert rel_err(r['params'], one['params']) <= TOL and r['said'] == []   # (nothing here differs: nothing said)
+
+@pytest.mark.parametrize('old,new', [(3, 2), (2, 3)])
+def test_resumed_across_numbers_with_padding_and_pooled_batchnorm_is_the_same_run(tmp_path, old, new):
+    """100 samples (windows of 8, 8, 8 and 1 micro-batches of 4: padding on 2 and 3 processes, in every window on 3),
+    BatchNorm pooled over ranks: cut in epoch 2's second window on `old` processes, resumed on `new`, the windows and
+    the weights and running statistics are the uninterrupted 1-process run's (1e-6)"""
+    kw = dict(n=100, layer='batchnorm', bn='pool')
+    one = W.train(world=1, **kw)
+    ends = window_ends(100, 32, old, 4)
+    ck = (str(tmp_path/'ck'), dict(every=1))
+    cut = _per_rank(old, _run(old, ckpt=ck, cut=ends[-1] + ends[1] + 1, **kw))   # epoch 2's second window, its first micro-batch
+    before = _global([r['windows'] for r in cut])
+    assert before == one['windows'][:5]
+    res = _per_rank(new, _run(new, ckpt=ck, **kw))
+    assert _global([r['windows'] for r in res]) == one['windows'][5:]
+    for r in res: assert rel_err(r['params'], one['params']) <= TOL and rel_err(r['buffers'], one['buffers']) <= TOL and r['said'] == []
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(n=st.integers(30, 130), world=st.integers(2, 4), bs=st.sampled_from([2, 4]), k=st.integers(2, 6),
+       partial=st.sampled_from(['step', 'drop']), drop_last=st.booleans(), bn=st.sampled_from([None, 'plain', 'pool', 'precise']))
+def test_any_run_on_several_processes_is_the_one_process_run(n, world, bs, k, partial, drop_last, bn):
+    """Features together, generatively (issue 63): any number of samples, processes, micro-batch, window, partial
+    last window and `drop_last`, shuffled, with or without BatchNorm (plain, pooled over ranks, pooled and recomputed
+    with `precise`): the windows (their samples, micro-batch by micro-batch) and the weights of one process in float64
+    (1e-6), and with 'pool' its running statistics too"""
+    kw = dict(n=n, bs=bs, window=k*bs, partial=partial, drop_last=drop_last)
+    if bn is not None: kw.update(layer='batchnorm', bn=None if bn == 'plain' else 'pool', precise=20 if bn == 'precise' else None)
+    one = W.train(world=1, **kw)
+    rs = launch_gloo(W.train, world=world, kwargs=kw, timeout=180)
+    assert _global([r['windows'] for r in rs]) == one['windows'] and all(r['steps'] == one['steps'] for r in rs)
+    for r in rs:
+        assert rel_err(r['params'], one['params']) <= TOL
+        if bn == 'pool': assert rel_err(r['buffers'], one['buffers']) <= TOL
 
 @pytest.mark.parametrize('layer,bn,says', [('dropout', None, 'training draws random numbers'),
                                            ('batchnorm', None, 'update their running statistics'),

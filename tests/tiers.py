@@ -83,6 +83,7 @@ def _resolve(chain:str, ns:dict):
 def _target(fn):
     "A fixture's function, a decorated function's own"
     fn = getattr(fn, '_get_wrapped_function', lambda: fn)() if type(fn).__name__ == 'FixtureFunctionDefinition' else fn
+    fn = getattr(getattr(fn, 'hypothesis', None), 'inner_test', fn)   # (a hypothesis `@given` test: its own body)
     return inspect.unwrap(fn) if callable(fn) else fn
 
 _EDGES:dict = {}
