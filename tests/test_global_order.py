@@ -233,6 +233,9 @@ def test_any_run_on_several_processes_is_the_one_process_run(n, world, bs, k, pa
     last window and `drop_last`, shuffled, with or without BatchNorm (plain, pooled over ranks, pooled and recomputed
     with `precise`): the windows (their samples, micro-batch by micro-batch) and the weights of one process in float64
     (1e-6), and with 'pool' its running statistics too"""
+    from hypothesis import assume
+    # (BatchNorm cannot normalise a micro-batch of one sample in training, on one process either: not a case)
+    assume(bn is None or drop_last or n % bs != 1)
     kw = dict(n=n, bs=bs, window=k*bs, partial=partial, drop_last=drop_last)
     if bn is not None: kw.update(layer='batchnorm', bn=None if bn == 'plain' else 'pool', precise=20 if bn == 'precise' else None)
     one = W.train(world=1, **kw)
