@@ -81,10 +81,6 @@ def window_shard_dl()->type:
             key = (self.dl.n, self.window, self.world_size, self.rank, self.bs, self.partial, self.drop_last)
             if self.__dict__.get('_layout_key') != key: self._layout,self._layout_key = deal_layout(*key),key
             return self._layout
-        def one_process_sizes(self)->list:
-            "The micro-batch sizes one process reads in an epoch (what the schedule's clock counts windows over)"
-            m = _kept(self.dl.n, self.bs, self.drop_last)
-            return [min(self.bs, m - i*self.bs) for i in range(-(-m//self.bs))]
         def __len__(self)->int: return rank_batches(self.dl.n, self.window, self.world_size, self.rank, self.bs, self.partial, self.drop_last)
         def get_idxs(self)->list:
             idxs = self._broadcast(list(self.dl.get_idxs()), 0)   # (every rank draws it, as fastai's, so RNGs stay alike)

@@ -84,7 +84,7 @@ class WindowPlan:
 
     def start_epoch(self, learn, dl, units:int, seen:int, ddp:bool):
         "An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows"
-        sizes = (self.dealt.one_process_sizes() if self.dealt is not None else
+        sizes = (batch_sizes(self.dealt.dl) if self.dealt is not None else   # (dealt: one process's loader, whose windows the clock counts)
                  [learn.dls.train.bs*self.ranks]*len(batch_sizes(dl)) if ddp else batch_sizes(dl))
         self.clock.start_epoch(learn.epoch, learn.n_epoch, sizes, self.sched, self.by_items, self.partial, units, seen)
 
