@@ -56,7 +56,7 @@ def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
     layers = [c for o,c in zip(model.modules(), copy.modules()) if id(o) in trained and getattr(c, 'running_mean', None) is not None]
     if not layers: raise ValueError("check_batchnorm: every BatchNorm layer is frozen (BnFreeze, 'freeze'): training keeps "
                                     "their statistics as they are, so there is nothing to recompute")
-    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn)), layers=layers)
+    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn), world=1), layers=layers)   # (the same items on every rank)
     layers = []
     for bn,s in stats.items():
         if s.s1 is None: continue

@@ -14,7 +14,7 @@ import functools, itertools
 import torch
 import torch.distributed as dist
 
-__all__ = ['share_problem', 'check_fastai_sharding', 'global_samples', 'window_micro_batches', 'deal_layout', 'deal',
+__all__ = ['share_problem', 'check_fastai_sharding', 'global_samples', 'window_micro_batches', 'deal_share', 'deal_layout', 'deal',
            'rank_batches', 'window_ends', 'window_shard_dl', 'shard_by_window', 'check_window_share']
 
 def global_samples(dl)->int:
@@ -29,7 +29,7 @@ def window_micro_batches(n:int, window:int, bs:int, partial:bool=True, drop_last
     m = _kept(n, bs, drop_last)
     return [window//bs]*(m//window) + ([-(-(m % window)//bs)] if m % window and partial else [])
 
-def _share(k:int, world:int, rank:int)->tuple:
+def deal_share(k:int, world:int, rank:int)->tuple:
     "A window of `k` micro-batches dealt to `world` ranks: rank `rank`'s first micro-batch, how many it runs, how many of them are padding"
     base,extra = divmod(k, world)
     real,per = base + (rank < extra),-(-k//world)
@@ -37,7 +37,7 @@ def _share(k:int, world:int, rank:int)->tuple:
 
 def deal_layout(n:int, window:int, world:int, rank:int, bs:int, partial:bool=True, drop_last:bool=False)->list:
     "Rank `rank`'s windows of an epoch as `(padding, micro-batches)`: it runs `padding` copies, then `micro-batches - padding` of the window's own"
-    return [(pad, real + pad) for _,real,pad in (_share(k, world, rank) for k in window_micro_batches(n, window, bs, partial, drop_last))]
+    return [(pad, real + pad) for _,real,pad in (deal_share(k, world, rank) for k in window_micro_batches(n, window, bs, partial, drop_last))]
 
 def deal(idxs:list, window:int, world:int, rank:int, bs:int, partial:bool=True, drop_last:bool=False)->list:
     """Rank `rank`'s samples of the global order `idxs`, micro-batch after micro-batch (`deal_layout`): in each window
@@ -45,7 +45,7 @@ def deal(idxs:list, window:int, world:int, rank:int, bs:int, partial:bool=True, 
     epoch's last micro-batch can be short, and it ends the list of the rank it falls to (padding comes first)"""
     idxs,out = list(idxs)[:_kept(len(idxs), bs, drop_last)],[]
     for j,k in enumerate(window_micro_batches(len(idxs), window, bs, partial, drop_last)):
-        first,real,pad = _share(k, world, rank)
+        first,real,pad = deal_share(k, world, rank)
         mb = lambda i: idxs[j*window + i*bs:j*window + (i+1)*bs]
         out += mb(0)*pad + [x for i in range(first, first + real) for x in mb(i)]
     return out

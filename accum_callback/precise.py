@@ -10,14 +10,18 @@ import contextlib
 
 import torch, torch.nn as nn
 import torch.distributed as dist
+from fastai.torch_core import find_bs, to_device
 
 from .compat import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
-from .distributed import is_distributed, process_count
+from .distributed import is_distributed, process_count, process_rank
+from .global_order import deal_share
 from .guard import RunningStatsPolicy
+from .loaders import model_device
 from .micro.loader import loader_pieces
+from .micro.pieces import piece_bounds, slice_batch
 from .norm_layers import set_norm_mode
 
-__all__ = ['pooled_moments', 'rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
+__all__ = ['pooled_moments', 'Unrecorded', 'rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
            'training_items']
 
 def pooled_moments(n:torch.Tensor, mean:torch.Tensor, m2:torch.Tensor, tot=None)->tuple:
@@ -100,6 +104,11 @@ def _pooled(seen:list)->PopulationStats:
     s.n,s.mu,s.m2 = pooled_moments(n, mean, var*n, tot)
     return s
 
+class Unrecorded(tuple):
+    """Inputs `precise_bn_stats` runs but does not count: a rank's padding (`training_items` deals whole micro-batches
+    to the ranks, and a rank with fewer runs copies, so that every rank runs as many forwards: DDP's buffer broadcast
+    and FSDP2's all-gathers are collectives)"""
+
 class _Stats(dict):
     "`{layer: PopulationStats}`, and `n_items`: the items (samples) the batches held"
     n_items = 0
@@ -118,6 +127,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     bns = trained_bn_layers(model) if layers is None else list(layers)
     n_items = 0
     seen = {bn: [] for bn in bns}   # each micro-batch's (mean, population variance, items a channel)
+    recording = [True]   # (off for an `Unrecorded` batch: a rank's padding)
     modes = [(m, m.training) for m in model.modules()]
     bufs = [(t, t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None]
     steps = [(m, m.renorm_steps) for m in bns if hasattr(m, 'renorm_steps')]
@@ -126,6 +136,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
         """A plain BatchNorm layer computes its input's statistics itself: with momentum 1 its running buffers are the
         micro-batch's mean and unbiased variance after its forward, read back (no second pass over the activations)"""
         def post(mod, inp, out):
+            if not recording[0]: return
             n = inp[0].numel()//inp[0].shape[1]
             seen[mod].append((mod.running_mean.clone(), mod.running_var*((n-1)/n), n))
         bn.momentum = 1.
@@ -134,6 +145,7 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     def hook(bn):
         "Any other (Batch Renorm, SyncBatchNorm, subclasses): the input's statistics computed here"
         def pre(mod, inp):
+            if not recording[0]: return
             x = inp[0]
             dims = [0] + list(range(2, x.ndim))
             var,mean = torch.var_mean(x if x.dtype == torch.float64 else x.float(), dim=dims, correction=0)
@@ -148,9 +160,10 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
             model.eval()
             for bn in bns: set_norm_mode(bn, True)   # (their own mode: a norm-act layer's drop stays in eval)
             for xb in batches:
+                recording[0] = not isinstance(xb, Unrecorded)
                 xb = xb if isinstance(xb, (tuple, list)) else (xb,)
-                with ctx(): forward(xb)
-                n_items += xb[0].shape[0]
+                with ctx(): forward(tuple(xb))
+                if recording[0]: n_items += xb[0].shape[0]
     finally:
         for h in handles: h.remove()
         for m,t in modes: m.training = t
@@ -159,8 +172,10 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
         for m,k in steps: m.renorm_steps = k
     stats = _Stats({bn: _pooled(seen[bn]) for bn in bns})
     if is_distributed(model) and dist.is_available() and dist.is_initialized():
-        for s in stats.values():
-            if s.s1 is not None: s.sum_over_ranks()
+        for bn,s in stats.items():   # (every rank joins, one that ran no item of a layer with zeros)
+            if s.s1 is None: s.n,s.mu,s.m2 = 0.,*[bn.running_mean.new_zeros(bn.running_mean.shape, dtype=torch.float64)]*2
+            s.sum_over_ranks()
+            if s.n == 0: s.mu = s.m2 = None
         t = torch.tensor([float(n_items)], dtype=torch.float64, device=next(iter(stats)).running_mean.device if stats else 'cpu')
         dist.all_reduce(t); n_items = int(t.item())
     stats.n_items = n_items
@@ -177,18 +192,67 @@ def update_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.nullc
         bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype)); bn.running_var.copy_(s.var.to(bn.running_var.dtype))
     return stats.n_items
 
-def training_items(learn, n:int, size:int|None=None, seed:int=0):
+def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=None):
     """Yield about `n` items of `learn`'s training loader as inputs (tuples), on the model's device: its batches in an
     order of their own (shuffled from `seed`; the training loader and its RNG are not touched), cut into pieces of at
-    most `size` items where given (the Learner's micro-batches), up to the first piece that reaches `n`. Under DDP or
-    FSDP2 every rank takes its own shard of the loader and `n / ranks` of it (rounded up), so that `n` is all ranks'
-    items together, as many pieces on every rank"""
-    n_inp,seen = getattr(learn.dls, 'n_inp', 1),0
-    if is_distributed(learn.model): n = -(-n // process_count())
-    for b,(s,e,_) in loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False):
-        yield tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
+    most `size` items where given (the Learner's micro-batches), up to the first piece that reaches `n`. The same items
+    in the same pieces on any number of processes: under DDP or FSDP2 (`world`: default the ranks of a distributed
+    model, else 1) one process's pieces are dealt whole to the ranks in contiguous blocks, each rank loading only the
+    loader batches that hold its own, and a rank with fewer pieces yields copies of one as `Unrecorded` (padding), so
+    that every rank runs as many forwards. A loader that cannot be indexed (no `new`, `get_idxs` or `bs`) is read by
+    each rank from its own shard instead, `n / ranks` items each (rounded up)"""
+    world = (process_count() if is_distributed(learn.model) else 1) if world is None else world
+    dl = _one_process_loader(learn, seed)
+    if dl is None:   # (each rank its own shard)
+        yield from _first_items(loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False), learn, -(-n // world))
+        return
+    sizes,bs = [min(dl.bs, dl.n - i*dl.bs) for i in range(-(-dl.n // dl.bs))],dl.bs
+    pieces,seen = [],0   # one process's pieces up to the first that reaches n: (loader batch, start, end)
+    for bi,m in enumerate(sizes):
+        for s,e in (piece_bounds(m, size) if size else [(0, m)]):
+            if seen >= n: break
+            pieces.append((bi, s, e)); seen += e - s
+    first,real,pad = deal_share(len(pieces), world, process_rank() if world > 1 else 0)
+    mine = pieces[first:first + real] or pieces[:1]   # (a rank dealt nothing pads with the first piece)
+    b0,b1 = mine[0][0],mine[-1][0]
+    orig = dl.get_idxs
+    dl.get_idxs = lambda: list(orig())[b0*bs:(b1 + 1)*bs]   # (the order drawn whole, as one process draws it)
+    want,pad_x = set(mine[:real] if real else []),None
+    for bi,b in enumerate(dl, start=b0):
+        b = to_device(b, model_device(learn.model))
+        for s,e in (piece_bounds(find_bs(b), size) if size else [(0, find_bs(b))]):
+            if (bi, s, e) not in want and not (pad_x is None and real == 0): continue
+            x = _inputs(learn, b if (s, e) == (0, find_bs(b)) else slice_batch(b, s, e))
+            if pad_x is None: pad_x = x
+            if (bi, s, e) in want: yield x
+        if bi >= b1: break
+    for _ in range(pad): yield Unrecorded(pad_x)
+
+def _inputs(learn, b)->tuple:
+    "A batch's inputs (the loaders' `n_inp` first parts) as a tuple"
+    n_inp = getattr(learn.dls, 'n_inp', 1)
+    return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
+
+def _first_items(pieces, learn, n:int):
+    "The inputs of `loader_pieces`'s pieces up to the first that reaches `n` items"
+    seen = 0
+    for b,(s,e,_) in pieces:
+        yield _inputs(learn, b)
         seen += e - s
         if seen >= n: return
+
+def _one_process_loader(learn, seed:int):
+    """A copy of the training loader one process reads (the loader fastai's `DistributedDL` wraps), shuffled from
+    `seed` without dropping a short last batch, as `own_loader` copies it on one process; None where it cannot be indexed"""
+    import random, sys
+    dl = learn.dls.train
+    dd = sys.modules.get('fastai.distributed')
+    if dd is not None and isinstance(dl, dd.DistributedDL): dl = dl.dl
+    if not (hasattr(dl, 'new') and hasattr(dl, 'get_idxs') and getattr(dl, 'bs', None) and getattr(dl, 'n', None)): return None
+    try: dl = dl.new(shuffle=True, drop_last=False)
+    except Exception: return None
+    if hasattr(dl, 'rng'): dl.rng = random.Random(seed)
+    return dl
 
 @contextlib.contextmanager
 def recorder_kept(learn):
