@@ -14,10 +14,10 @@ import torch.distributed as dist
 from fastai.learner import Learner
 from fastcore.basics import patch
 
-from .batchnorm import BatchNormAccumulation
-from .checkpoint_format import from_plain, plain_state
-from .compat import tree_map
-from .distributed import gloo_distributed_dl, is_fsdp, unwrap
+from .batchnorm.callback import BatchNormAccumulation
+from .resume.format import from_plain, plain_state
+from .compat.torch import tree_map
+from .core.distributed import gloo_distributed_dl, is_fsdp, unwrap
 from .micro import copy_module
 
 __all__ = ['default_blocks', 'fsdp_full_state_dict', 'FSDPState']

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accum_callback.files import replace_durably
+from accum_callback.core.files import replace_durably
 
 __all__ = ['CACHE_VERSION', 'MARGIN', 'CacheError', 'split_items', 'decode', 'cached_split', 'CachedImages', 'cached_dls',
            'inference_dls']

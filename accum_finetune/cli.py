@@ -8,15 +8,15 @@ from __future__ import annotations
 import argparse, contextlib, os, re, shutil, sys, tempfile, warnings
 from pathlib import Path
 
-from accum_callback.modes import BN_MODES
-from accum_callback.validate import NotWholeNumber, whole_number   # (no torch: the CLI answers before it loads)
+from accum_callback.batchnorm.modes import BN_MODES
+from accum_callback.core.args import NotWholeNumber, whole_number   # (no torch: the CLI answers before it loads)
 from .precheck import arch_known, data_problem, gpu_visible, unknown_arch
 
 __all__ = ['PROG', 'UsageError', 'make_parser', 'check_args', 'main', 'run']
 
 PROG = 'accum-finetune'
 RESULTS = ('metrics.json', 'training.png', 'model.pkl')   # what a run writes into --out
-_BN = ('auto', 'none') + BN_MODES   # = `finetune.JOB_BN_MODES`; `accum_callback.modes` imports nothing
+_BN = ('auto', 'none') + BN_MODES   # = `finetune.JOB_BN_MODES`; `accum_callback.batchnorm.modes` imports nothing
 _PRECISION = ('auto', 'fp32', 'fp16', 'bf16')   # = `finetune.PRECISIONS`
 
 class UsageError(ValueError): "Bad command-line input, reported as one line"
@@ -307,14 +307,14 @@ def _data_parallel(learn, device):
     gathered over the whole set), with its sample order shared over gloo on CPUs. BatchNorm as `--bn` says, per
     process; DDP then gives every process rank 0's running statistics (docs/main_job.md)"""
     if _world() == 1: yield; return
-    from accum_callback.distributed import gloo_distributed_dl
+    from accum_callback.core.distributed import gloo_distributed_dl
     with (gloo_distributed_dl() if device.type == 'cpu' else contextlib.nullcontext()), \
          learn.distrib_ctx(sync_bn=False, **(dict(cpu=True) if device.type == 'cpu' else {})):
         yield
 
 def _place(src:Path, dest:Path)->Path:
     "Copy `src` to `dest` through `atomic_write`: a cut leaves the earlier `dest` or the whole new one, never a part"
-    from accum_callback.files import atomic_write
+    from accum_callback.core.files import atomic_write
     with open(src, 'rb') as f, atomic_write(dest) as out: shutil.copyfileobj(f, out, 1 << 20)
     return dest
 

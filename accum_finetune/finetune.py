@@ -14,13 +14,13 @@ from fastai.torch_core import find_bs, set_seed
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
 from accum_callback.micro import micro_batching, n_pieces
-from accum_callback.distributed import process_count
+from accum_callback.core.distributed import process_count
 from .models import ArchError, DEFAULT_ARCH, create_model, has_batchnorm, load_weights
 
 __all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn', 'auto_precise',
            'precision_callbacks', 'build_learner', 'Throughput', 'finetune', 'plot_training', 'write_metrics']
 
-from accum_callback.modes import BN_MODES
+from accum_callback.batchnorm.modes import BN_MODES
 JOB_BN_MODES = ('auto', 'none') + BN_MODES   # the job's --bn: the library's modes, plus the measured choice and plain BN
 PRECISIONS = ('auto', 'fp32', 'fp16', 'bf16')
 

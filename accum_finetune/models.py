@@ -98,5 +98,5 @@ def load_weights(model:nn.Module, weights:str, arch:str)->int:
     return len(keep)
 
 def has_batchnorm(model:nn.Module)->bool:
-    from accum_callback.norm_layers import is_batchnorm
+    from accum_callback.batchnorm.norm_layers import is_batchnorm
     return any(is_batchnorm(m) for m in model.modules())

@@ -43,7 +43,7 @@ def pretrained_checkpoint(arch:str=DEFAULT_ARCH, size:int=32, force:bool=False, 
     Written as the image cache is (synced, renamed whole, its CRC-32 beside it); one found cut, empty or damaged is
     rebuilt, said in one line"""
     import zlib
-    from accum_callback.files import atomic_write
+    from accum_callback.core.files import atomic_write
     path = checkpoint_path(arch, size)
     if path.is_file() and not force:
         if _whole(path): return path

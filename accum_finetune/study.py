@@ -12,7 +12,7 @@ from .models import DEFAULT_ARCH
 
 __all__ = ['STUDY_MODES', 'run_study', 'summarize', 'plot_study']
 
-from accum_callback.modes import BN_MODES
+from accum_callback.batchnorm.modes import BN_MODES
 STUDY_MODES = ('none',) + BN_MODES   # plain BatchNorm at the micro-batch, then every mode
 
 def run_study(

@@ -42,7 +42,7 @@ def learner(task, mode, mb, precise, seed):
 
 def run(task, mode, mb, precise, seed, epochs):
     from accum_callback import update_bn_stats
-    from accum_callback.precise import training_items
+    from accum_callback.batchnorm.precise import training_items
     learn = learner(task, mode, mb, precise, seed)
     lr = 3e-3 if task == 'digits' else 1e-3
     t = time.perf_counter()

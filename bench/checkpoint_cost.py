@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import conv_net, images, learner, machine
 
 from accum_callback import Checkpoint, GradientAccumulation
-from accum_callback.checkpoint import _write, read_checkpoint
+from accum_callback.resume.checkpoint import _write, read_checkpoint
 
 def one_write(model, d:Path, repeats:int=5):
     "Median seconds to write and to read a checkpoint of `model` (weights, gradients, Adam's two moments), and its bytes"
@@ -35,7 +35,7 @@ def one_write(model, d:Path, repeats:int=5):
 
 _PEAK = """
 import os, sys, threading, time, torch
-from accum_callback.checkpoint_format import read_checkpoint
+from accum_callback.resume.format import read_checkpoint
 rss = lambda: int(open('/proc/self/statm').read().split()[1])*os.sysconf('SC_PAGE_SIZE')
 base,peak,done = rss(),[0],False
 def watch():   # (the resident size every millisecond while the file is read: its peak above the start)
@@ -96,8 +96,8 @@ def _sharded_resnet(world):
 def _dcp_rank(rank, world, d, rounds):
     "On each rank: per-rank file against DCP folder, written and read, alternating; rank 0 returns the times and sizes"
     import torch.distributed as dist
-    from accum_callback.compat import local_tensor
-    from accum_callback.sharded_checkpoint import load_sharded, save_sharded, strip_sharded
+    from accum_callback.compat.torch import local_tensor
+    from accum_callback.resume.sharded import load_sharded, save_sharded, strip_sharded
     d = Path(d)
     m,opt = _sharded_resnet(world)
     def state(whole=True):   # (as `Checkpoint` takes it: without the model where the DCP folder holds it)
@@ -126,7 +126,7 @@ def _dcp_rank(rank, world, d, rounds):
 
 def dcp_cost(rounds:int, d:Path):
     from accum_callback.testing import launch_gloo
-    from accum_callback.sharded_checkpoint import load_sharded
+    from accum_callback.resume.sharded import load_sharded
     res = launch_gloo(_dcp_rank, world=2, args=(str(d), rounds), timeout=600, start='fork')[0]
     print("resnet50 under FSDP2 on 2 gloo processes, Adam's moments sharded (one thread each):")
     med = lambda xs: statistics.median(xs)
@@ -137,7 +137,7 @@ def dcp_cost(rounds:int, d:Path):
         ratios = [b[j]/a[j] for a,b in zip(res['per-rank file'], res['DCP folder'])]
         print(f"  DCP / per-rank file, {what}: {med(ratios):.3f} (per round: {min(ratios):.3f} to {max(ratios):.3f})")
     m,opt = _sharded_resnet(1)   # one process, whole tensors, no process group: the elastic resume's read
-    from accum_callback.checkpoint_format import read_checkpoint as read
+    from accum_callback.resume.format import read_checkpoint as read
     ts = []
     for r in range(min(3, rounds)):
         t0 = time.perf_counter(); load_sharded(d, read(d/f'dc{r}.rank0.pt'), m, opt); ts.append(time.perf_counter()-t0)

@@ -11,7 +11,7 @@ from fastai.data.load import DataLoader
 from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
 
-from accum_callback.modes import BN_MODES   # noqa: F401  (the one list of mode names)
+from accum_callback.batchnorm.modes import BN_MODES   # noqa: F401  (the one list of mode names)
 from accum_callback.testing import image_data, launch_gloo as _launch_gloo
 
 LR,MOM = 0.01,0.9

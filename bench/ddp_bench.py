@@ -19,7 +19,7 @@ from fastai.learner import Learner
 from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
-from accum_callback.distributed import count_allreduces
+from accum_callback.core.distributed import count_allreduces
 from common import launch_gloo, machine
 
 class SyncEveryDDP(DDP):

@@ -23,7 +23,7 @@ from fastai.learner import Learner
 from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
-from accum_callback.distributed import count_collectives, fsdp_group_count, held_grad_bytes
+from accum_callback.core.distributed import count_collectives, fsdp_group_count, held_grad_bytes
 from common import launch_gloo, machine, mean_ci
 
 MODES = {'sync every micro-batch': dict(sharded_grads=True), 'one reduce-scatter a window': dict(),

@@ -20,14 +20,14 @@ def _old_code():
     """0.2.0's recomputation (as it was until this round, verbatim below): a hook computes each BatchNorm input's
     `var_mean` (a second pass over the activations) and each micro-batch is pooled into float64 sums at once"""
     import contextlib, torch, torch.nn as nn, torch.distributed as dist
-    import accum_callback.precise as P
+    import accum_callback.batchnorm.precise as P
     g = dict(vars(P)); g.update(contextlib=contextlib, torch=torch, nn=nn, dist=dist)
     exec(compile(_SOURCE_020, 'precise.py (0.2.0)', 'exec'), g)
     return g['_precise_bn_stats_020']
 
 @contextlib.contextmanager
 def _code(which):
-    import accum_callback.precise as P
+    import accum_callback.batchnorm.precise as P
     if which != '0.2.0': yield; return
     new,P.precise_bn_stats = P.precise_bn_stats,_old_code()
     try: yield
@@ -55,8 +55,8 @@ def recompute_ab(rounds:int=11, scratch=False)->tuple:
     from common import summary
     from accum_callback import update_bn_stats
     from accum_callback.micro import micro_size
-    from accum_callback.precise import training_items
-    import accum_callback.precise as P
+    from accum_callback.batchnorm.precise import training_items
+    import accum_callback.batchnorm.precise as P
     learn = _job_learner('none', 0, scratch)
     learn.fit(1)
     old,new = _old_code(),P.precise_bn_stats

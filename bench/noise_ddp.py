@@ -29,7 +29,7 @@ def run(rank, world, variant, seed, epochs):
     from fastai.vision.all import Learner, accuracy, CrossEntropyLossFlat, SGD, set_seed, Callback, ParamScheduler, SchedNo, combine_scheds
     from fastai.distributed import DistributedDL
     from accum_callback import GradientAccumulation, BatchNormAccumulation, GradientNoiseScale
-    from accum_callback.distributed import count_allreduces
+    from accum_callback.core.distributed import count_allreduces
     from accum_finetune.data import digits_dls
     from accum_finetune.models import DEFAULT_ARCH, create_model, load_weights
     from accum_finetune.pretrain import pretrained_checkpoint
@@ -57,7 +57,7 @@ def run(rank, world, variant, seed, epochs):
                 accuracy=clock.log[-1][1], wall=clock.log[-1][0])
 
 def _runs(rank, world, args):
-    from accum_callback.distributed import gloo_distributed_dl
+    from accum_callback.core.distributed import gloo_distributed_dl
     with gloo_distributed_dl(): return _all(rank, world, args)
 
 def _all(rank, world, args):

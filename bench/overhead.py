@@ -27,7 +27,7 @@ def instrumented(learn, cb)->float:
     closes, over one epoch of `learn`"""
     import time
     from fastai.callback.core import _events
-    from accum_callback.batchnorm import PooledStats
+    from accum_callback.batchnorm.callback import PooledStats
     spent = [0.]
     def timed(f):
         def g(*a, **k):

@@ -14,7 +14,7 @@ import torch, torchvision
 from common import images, learner, machine, mean_ci, resnet_args
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
-from accum_callback.precise import training_items
+from accum_callback.batchnorm.precise import training_items
 
 def main(argv=None):
     a = resnet_args(__doc__, 9, argv, lambda p: p.add_argument('--items', type=int, default=256, help='items recomputed from (default 256)'))

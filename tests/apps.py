@@ -22,7 +22,7 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation, MicroBatching
-from accum_callback.distributed import is_ddp, unwrap
+from accum_callback.core.distributed import is_ddp, unwrap
 from accum_callback.micro import copy_module
 from accum_callback.testing import OutOfMemoryAbove
 from helpers import flat, rel_err

@@ -12,7 +12,7 @@ from fastai.callback.core import Callback, CancelBatchException, CancelFitExcept
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 
 from accum_callback import GradientAccumulation
-from accum_callback.distributed import count_allreduces, count_collectives, fsdp_group_count, held_grad_bytes
+from accum_callback.core.distributed import count_allreduces, count_collectives, fsdp_group_count, held_grad_bytes
 from accum_callback.testing import OutOfMemoryAbove, regression_data
 from helpers import MLP, Float64Smoothing, make_learner
 
@@ -123,7 +123,7 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     if tokens is not None: ga.setdefault('n_items', n_tokens)
     cbs = [Float64Run()] + ([FastaiGradientAccumulation(builtin)] if builtin else [GradientAccumulation(**ga)] if ga else [])
     if bn is not None:
-        from accum_callback.batchnorm import BatchNormAccumulation
+        from accum_callback.batchnorm.callback import BatchNormAccumulation
         cbs.append(BatchNormAccumulation(bn))
     n_out = ds.tensors[1].shape[1]//(2 if tokens is not None else 1)
     model = (MLP if bn is None else BNMLP)(n_in=5, n_out=n_out, seed=seed)
@@ -175,7 +175,7 @@ class CountOnceWrapped(Callback):
 
 def train_fastai(rank, world_size, n=32, bs=4, n_epoch=2, ga=None, seed=0, drop_last=False):
     "fastai's own path, `learn.distrib_ctx()` (Accelerate wraps the model, `DistributedDL` shards the data), on CPU"
-    from accum_callback.distributed import gloo_distributed_dl
+    from accum_callback.core.distributed import gloo_distributed_dl
     x,y = make_data(n, seed=seed)
     spy = DDPSpy(_NullCounter())
     learn = make_learner(TensorDataset(x, y), bs, cbs=[Float64Run(), GradientAccumulation(**ga), spy],
@@ -298,7 +298,7 @@ def fsdp_way_in(rank, world_size, d, n=64, bs=4, n_epoch=2, seed=0, path='fsdp')
     """The same Learner, all samples on every rank, trained through `learn.to_fsdp()` (FSDP2, DistributedDL) or through
     fastai's `distrib_ctx` (Accelerate's DDP, DistributedDL): the weights, and `learn.export` under FSDP2"""
     from accum_callback import GradientAccumulation
-    from accum_callback.distributed import gloo_distributed_dl
+    from accum_callback.core.distributed import gloo_distributed_dl
     x,y = make_data(n, seed=seed)
     learn = make_learner(ExportableDataset(x, y), bs, cbs=[Float64Run(), GradientAccumulation(n_step=2)],
                          model=MLP(n_in=5, n_out=3, seed=seed).double(), lr=LR, valid=ExportableDataset(x[:8], y[:8]))
@@ -320,8 +320,8 @@ def fsdp_way_in(rank, world_size, d, n=64, bs=4, n_epoch=2, seed=0, path='fsdp')
 def app_cells(rank, world_size, names):
     """fastai's `distrib_ctx` (Accelerate's DDP, `DistributedDL`) on the matrix's applications: every step's gradient
     against one batch of every rank's window (`apps.Oracle`, which all-reduces its reference under DDP)"""
-    from accum_callback.batchnorm import BatchNormAccumulation
-    from accum_callback.distributed import gloo_distributed_dl
+    from accum_callback.batchnorm.callback import BatchNormAccumulation
+    from accum_callback.core.distributed import gloo_distributed_dl
     from apps import ROWS, Oracle
     out = {}
     for name in names:
@@ -340,7 +340,7 @@ def app_cells(rank, world_size, names):
 # -- the gradient noise scale under DDP and FSDP2 (tests/test_noise.py) ---------------------------------------------
 def noise_scale_ranks(rank, world_size):
     "Each rank half of `test_noise.data()`, GradientNoiseScale's per-step estimates under DDP, then FSDP2"
-    from accum_callback.noise import GradientNoiseScale
+    from accum_callback.noise.scale import GradientNoiseScale
     from test_noise import data, linear_loss, D
     out = {}
     for kind in ('ddp', 'fsdp'):
@@ -367,7 +367,7 @@ def noise_scale_ranks(rank, world_size):
 # -- precise BatchNorm statistics under DDP and FSDP2 (tests/test_precise.py) ---------------------------------------
 def precise_ranks(rank, world_size):
     "Each rank its 20 items (rank 1's shifted): `update_bn_stats` of a DDP, then an FSDP2 model, in micro-batches of 5"
-    from accum_callback.precise import update_bn_stats
+    from accum_callback.batchnorm.precise import update_bn_stats
     from test_precise import BNNet, images
     out = {}
     x = images(seed=rank, shift=float(rank)).tensors[0][:20]

@@ -67,7 +67,7 @@ def train(rank=0, world=1, n=96, bs=4, window=32, n_epoch=2, partial='step', see
                 from torch.nn.parallel import DistributedDataParallel as DDP
                 learn.model = DDP(learn.model); learn.fit_one_cycle(n_epoch, lr)
             else:
-                from accum_callback.distributed import gloo_distributed_dl
+                from accum_callback.core.distributed import gloo_distributed_dl
                 with gloo_distributed_dl(), (learn.fsdp_ctx() if fsdp else learn.distrib_ctx(sync_bn=False, cpu=True)):
                     learn.fit_one_cycle(n_epoch, lr)
     except _Cut: return dict(windows=spy.windows, cut=True)

@@ -18,7 +18,7 @@ from fastai.optimizer import SGD, Adam
 from fastai.torch_core import set_seed
 from fastai.callback.schedule import fit_one_cycle, fine_tune  # noqa: F401  (patches Learner)
 
-import accum_callback.checkpoint as C
+import accum_callback.resume.checkpoint as C
 from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, GradientNoiseScale
 from accum_callback.testing import OutOfMemoryAbove, regression_data
 

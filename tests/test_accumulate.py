@@ -90,11 +90,11 @@ def test_a_refused_fit_leaves_the_learner_as_it_was(case, monkeypatch):
     view of the model is patched). Before, `MicroBatching` had cut the loader (and 'auto' wrapped `one_batch`) when a
     later callback refused. After: the message names the class and what to do, the Learner is as it was, inference
     works, and without the refusing callback it trains to the weights of a Learner set up without it (1e-6)."""
-    import accum_callback.batchnorm, accum_callback.noise
+    import accum_callback.batchnorm.callback, accum_callback.noise.scale
     cbs,extra,match,bn = _REFUSED[case]
     cbs,extra = cbs(),extra()
-    if case == 'groupnorm on FSDP2': monkeypatch.setattr(accum_callback.batchnorm, 'fsdp_modules', lambda m: [m])
-    if case == 'noise with sharded_grads': monkeypatch.setattr(accum_callback.noise, 'is_fsdp', lambda m: True)
+    if case == 'groupnorm on FSDP2': monkeypatch.setattr(accum_callback.batchnorm.callback, 'fsdp_modules', lambda m: [m])
+    if case == 'noise with sharded_grads': monkeypatch.setattr(accum_callback.noise.scale, 'is_fsdp', lambda m: True)
     model = (lambda: _bn_model()) if bn else (lambda: None)
     learn = make_learner(make_data(24), 8, cbs=[*cbs, extra], model=model())
     before = _learner_state(learn)

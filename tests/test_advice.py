@@ -1,4 +1,4 @@
-"""`accum_callback.advice`: what `GradientAccumulation` says once at fit start about settings that may not mean what the
+"""`accum_callback.window.advice`: what `GradientAccumulation` says once at fit start about settings that may not mean what the
 user meant, each warning naming the argument and what to do, none changing what training does"""
 import warnings
 import pytest

@@ -13,9 +13,9 @@ from fastai.vision.learner import vision_learner
 from torchvision.models import resnet18
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, bn_to_batchrenorm, bn_to_groupnorm
-from accum_callback.modes import BN_MODES
-from accum_callback.norm_layers import BatchRenorm
-from accum_callback.batchnorm import accumulated_momentum
+from accum_callback.batchnorm.modes import BN_MODES
+from accum_callback.batchnorm.norm_layers import BatchRenorm
+from accum_callback.batchnorm.callback import accumulated_momentum
 from helpers import fit_quiet, make_data, make_dls, make_learner, rel_err
 
 STATS_TOL = 1e-6   # relative (norm) error of pooled running statistics against the large-batch run
@@ -421,7 +421,7 @@ def test_pool_with_a_timm_norm_act_layer():
 
 def test_pool_counts_every_rank_for_syncbatchnorm(monkeypatch):
     "SyncBatchNorm's statistics cover all ranks' micro-batches: 'pool' weighs each by the global count (local x world)"
-    import types, accum_callback.distributed as dmod
+    import types, accum_callback.core.distributed as dmod
     monkeypatch.setattr(dmod, 'dist', types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
                                                              get_world_size=lambda group=None: 2))
     g = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ import pytest, torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT/'bench'/'bench.py'
-from accum_callback.modes import BN_MODES
+from accum_callback.batchnorm.modes import BN_MODES
 
 def load_bench():
     spec = importlib.util.spec_from_file_location('bench_script', SCRIPT)

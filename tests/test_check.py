@@ -50,7 +50,7 @@ def test_weighted_ignored_and_summed_losses_are_exact_by_default(name):
 
 # == learn.check_accumulation() ===========================================================================================
 from accum_callback import check_accumulation, AccumulationReport
-from accum_callback.check import CHECK_CAUSES
+from accum_callback.check.accumulation import CHECK_CAUSES
 from helpers import MLP
 
 class Net(nn.Module):
@@ -344,7 +344,7 @@ def test_a_subclass_of_a_fastai_loss_is_counted_as_that_loss():
     assert learn.check_accumulation().exact
     class Halved(CrossEntropyLossFlat):   # its own __call__: another loss, the count is unknown
         def __call__(self, *a, **kw): return super().__call__(*a, **kw)/2
-    from accum_callback.losses import loss_items
+    from accum_callback.core.losses import loss_items
     assert loss_items(Halved(ignore_index=1), (torch.tensor([0, 1, 2]),)) is None
     assert float(loss_items(MyLoss(), (torch.tensor([0, 1, 2]),))) == 2.
 
@@ -382,7 +382,7 @@ def test_a_loss_term_over_padding_is_named_regularizer():
 def test_a_gradient_at_rounding_level_is_not_ranked_worst():
     """A bias before a BatchNorm layer has no gradient but rounding (1e-7 of the whole here): its relative error is noise
     (it read 0.94 or 0.96 with the number of threads) and is not ranked; the tensors that do learn are"""
-    from accum_callback.check import _worst
+    from accum_callback.check.accumulation import _worst
     big = torch.tensor([1., 0., 1e-8, 0.5, 0.5])     # tensors: w (2 values), b0 (1), b1 (2)
     acc = torch.tensor([1.2, 0., -1e-8, 0.5, 0.55])
     names,sizes = ['w', 'b0', 'b1'],[2, 1, 2]

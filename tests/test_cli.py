@@ -806,7 +806,7 @@ def _stop_in_epoch_2(p, out:Path, procs:int, sig=signal.SIGTERM):
     end and stops; SIGKILL: that process dies at once, torchrun stops the others, the checkpoint before is the newest"""
     t0 = time.monotonic()
     def second_epoch():
-        from accum_callback.checkpoint import read_checkpoint
+        from accum_callback.resume.checkpoint import read_checkpoint
         for f in sorted((out/'checkpoints').glob('ckpt-*.rank0.pt'))[-1:]:
             try: return read_checkpoint(f)['epoch'] == 1
             except Exception: return False

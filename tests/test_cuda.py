@@ -16,9 +16,9 @@ from fastai.optimizer import SGD, Adam
 
 from fastai.callback.core import Callback
 from accum_callback import GradientAccumulation, BatchNormAccumulation
-from accum_callback.norm_layers import BatchRenorm
-from accum_callback.batchnorm import accumulated_momentum
-from accum_callback.distributed import count_allreduces
+from accum_callback.batchnorm.norm_layers import BatchRenorm
+from accum_callback.batchnorm.callback import accumulated_momentum
+from accum_callback.core.distributed import count_allreduces
 from helpers import MLP, fit_silent, flat, make_data, rel_err
 from accum_callback.testing import OutOfMemoryAbove, free_port
 

@@ -6,7 +6,7 @@ import pytest, torch
 
 import ddp_worker as W
 from helpers import HAS_FSDP2, needs_fsdp2, rel_err
-from accum_callback.distributed import count_allreduces
+from accum_callback.core.distributed import count_allreduces
 from accum_callback.testing import launch_gloo
 
 TOL = 1e-6
@@ -358,7 +358,7 @@ def test_fsdp1_is_refused_pointing_to_to_fsdp():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     from helpers import MLP
     fake = FSDP1.__new__(FSDP1); torch.nn.Module.__init__(fake); fake._modules['_fsdp_wrapped_module'] = MLP()
-    from accum_callback.distributed import check_fsdp
+    from accum_callback.core.distributed import check_fsdp
     with pytest.raises(ValueError, match=r'FSDP1.*learn\.to_fsdp\(\)'): check_fsdp(torch.nn.Sequential(fake))
     check_fsdp(MLP())   # an unsharded model passes (`GradientAccumulation` calls this at before_fit and before_train)
 

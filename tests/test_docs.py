@@ -38,7 +38,7 @@ def api_markdown()->str:
     "docs/api.md as the code says it: every public name, its signature, its docstring and its arguments' comments"
     from fastcore.docments import docments
     lines = ['# API', '', 'Every public name of `accum_callback`: what users call (`from accum_callback import ...`), what it '
-             'adds to fastai\'s `Learner`, and the names imported from a module (`from accum_callback.batchnorm import '
+             'adds to fastai\'s `Learner`, and the names imported from a module (`from accum_callback.batchnorm.callback import '
              'PooledStats`), with the signatures and docstrings of the code (generated: `python tests/test_docs.py`; '
              '`tests/test_docs.py` fails when this page and the code disagree). In a notebook, fastai\'s `show_doc` '
              'renders each the same way.', '']

@@ -21,7 +21,7 @@ from fastai.optimizer import SGD, Adam
 from fastcore.foundation import L
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
-from accum_callback.norm_layers import BatchRenorm
+from accum_callback.batchnorm.norm_layers import BatchRenorm
 from helpers import (StepCounter, WindowSpy, fit_silent, flat, grads_clean, make_data, make_dls, make_learner,
                      rel_err)
 

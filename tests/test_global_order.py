@@ -3,12 +3,12 @@ number of processes. fastai's `DistributedDL` gives each rank a contiguous part 
 micro-batches held other samples than 1 rank x 4: the runs on 1 and 2 processes ended apart. With `global_window` each
 window of `target_bs` samples is the same on 1, 2 and 4 gloo processes (listed and compared window by window), and the
 weights after `fit_one_cycle` (shuffled, float64) equal the 1-process run's to 1e-6 relative. A run stopped on one
-number of processes and resumed on another is the same run too (`accum_callback.elastic`)."""
+number of processes and resumed on another is the same run too (`accum_callback.resume.world_size`)."""
 import pytest
 import torch
 
 from accum_callback import GradientAccumulation
-from accum_callback.global_order import deal, deal_layout, rank_batches, share_problem, window_ends
+from accum_callback.window.global_window import deal, deal_layout, rank_batches, share_problem, window_ends
 from accum_callback.testing import launch_gloo
 from helpers import needs_fsdp2, rel_err
 import elastic_worker as W
@@ -68,7 +68,7 @@ def test_ranks_run_the_one_process_micro_batches_window_by_window(n, k, world, b
 def test_a_place_at_a_windows_end_is_the_same_samples_on_another_number_of_processes(j, k, old, new, bs, extra):
     """`elastic.batches_in_world`: after `j` whole windows, the micro-batches each rank of `old` had run and those each
     rank of `new` runs up to the place counted again hold the same samples of the order, the first `j` windows"""
-    from accum_callback.elastic import batches_in_world
+    from accum_callback.resume.world_size import batches_in_world
     window = k*bs
     n = (j + 1)*window + extra
     idxs = list(range(n))
@@ -271,7 +271,7 @@ def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_p
     "Saved after every micro-batch (`batches=1`), cut mid-window on 2 processes: on 1 the half window is refused, naming both numbers; on 2 it resumes"
     ck = (str(tmp_path/'ck'), dict(batches=1))
     _run(2, ckpt=ck, cut=6)   # the second micro-batch of the second window
-    from accum_callback.checkpoint import CheckpointError
+    from accum_callback.resume.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match=r"saved on 2 process\(es\) and this run has 1, and it holds half a window"):
         W.train(ckpt=ck)
     res = _run(2, ckpt=ck)
@@ -351,8 +351,8 @@ def test_dcp_metadata_is_read_without_running_code(tmp_path):
     and what it holds never runs; one that declares a non-tensor item (which DCP would unpickle) is refused too"""
     import os, pickle
     import torch.distributed.checkpoint as dcp
-    from accum_callback.checkpoint import UnsafeCheckpoint
-    from accum_callback.sharded_checkpoint import read_dcp_metadata
+    from accum_callback.resume.checkpoint import UnsafeCheckpoint
+    from accum_callback.resume.sharded import read_dcp_metadata
     dcp.save({'w': torch.arange(6.).reshape(2, 3)}, checkpoint_id=str(tmp_path/'ok'))
     md = read_dcp_metadata(tmp_path/'ok'/'.metadata')
     assert list(md.state_dict_metadata) == ['w']

@@ -1,4 +1,4 @@
-"""`accum_callback.guard`: the fit's clean-up guard on the epoch level, `fail_fit`, twins refused naming what to do with
+"""`accum_callback.core.protocols`: the fit's clean-up guard on the epoch level, `fail_fit`, twins refused naming what to do with
 `learn.<name>` kept on the first, and the refusal protocol (`refuse_fit()`, ours or a user's, before anything is set up)"""
 import pytest
 import torch
@@ -6,7 +6,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 
 from accum_callback import GradientAccumulation
-from accum_callback.guard import FitGuard, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
+from accum_callback.core.protocols import FitGuard, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from helpers import make_data, make_learner
 
 def test_the_guard_runs_cleanups_for_an_exception_leaving_an_epoch_then_goes():

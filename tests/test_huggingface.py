@@ -208,7 +208,7 @@ def test_the_count_of_a_models_own_loss_is_found_per_model():
     model to remember it by: a shifted (causal LM) loss and a plain token loss, side by side, each counted as it is"""
     from types import SimpleNamespace
     import torch.nn.functional as F
-    from accum_callback.losses import own_loss_items
+    from accum_callback.core.losses import own_loss_items
     torch.manual_seed(0)
     labels = torch.tensor([[3, 4, 5, IGNORE], [6, 7, IGNORE, IGNORE]])
     logits = torch.randn(2, 4, V)

@@ -152,7 +152,7 @@ def test_the_stop_button_of_a_live_kernel_at_after_epoch(tmp_path):
 
 def test_a_refused_resume_leaves_everything_as_before(tmp_path):
     "Checkpoint refuses a resume in before_fit, after 'pool' and micro_bs='auto' have set up: they are put back"
-    from accum_callback.checkpoint import CheckpointError
+    from accum_callback.resume.checkpoint import CheckpointError
     class Boom(Callback):
         order = 99
         def after_batch(self):

@@ -1,11 +1,11 @@
-"""`accum_callback.losses`: what a loss averages over (`loss_items`, `micro_items`) and whether it sums
+"""`accum_callback.core.losses`: what a loss averages over (`loss_items`, `micro_items`) and whether it sums
 (`loss_reduction`), for torch's and fastai's losses; checked against the loss itself: a micro-batch's mean loss times
 its count is its sum, so counts-weighted means of the parts equal the whole batch's mean (float64: 1e-12)"""
 import pytest
 import torch, torch.nn as nn
 from fastai.losses import CrossEntropyLossFlat, FocalLoss, LabelSmoothingCrossEntropy
 
-from accum_callback.losses import count_dtype, loss_items, loss_reduction, micro_items
+from accum_callback.core.losses import count_dtype, loss_items, loss_reduction, micro_items
 
 def _batch(n=12, c=4, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -147,7 +147,7 @@ def test_batchnorm_mode_cell(name, col, one_thread):
         assert [int(m.num_batches_tracked) for m in ran] == [ga.steps]*len(ran)
     if col == 'bn_momentum': assert [m.momentum for m in bns] == momenta   # put back after fit
     if col == 'bn_renorm':
-        from accum_callback.norm_layers import BatchRenorm
+        from accum_callback.batchnorm.norm_layers import BatchRenorm
         assert bns and all(isinstance(m, BatchRenorm) for m in bns)
     if col == 'bn_precise':   # the statistics of the final weights, from 12 training items; and the check of them
         assert next(cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)).precise_items >= 12

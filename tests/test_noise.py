@@ -15,8 +15,8 @@ import fastai.callback.schedule   # fit_one_cycle
 from functools import partial
 
 from accum_callback import GradientAccumulation, GradientNoiseScale
-from accum_callback.noise import NoiseScaleSchedule, noise_estimates
-from accum_callback.compat import tree_flatten
+from accum_callback.noise.scale import NoiseScaleSchedule, noise_estimates
+from accum_callback.compat.torch import tree_flatten
 from accum_callback.testing import launch_gloo
 from helpers import DISTRIBUTED_KINDS, fit_quiet, make_learner
 
@@ -293,7 +293,7 @@ def test_a_loader_of_ready_made_batches_is_read_from_copies_and_left_untouched()
     from fastai.data.load import DataLoader
     from fastai.learner import Learner
     from accum_callback import update_bn_stats
-    from accum_callback.precise import training_items
+    from accum_callback.batchnorm.precise import training_items
     x,y = data(48, 8).tensors
     batches = [(x[i:i+8], y[i:i+8]) for i in range(0, 48, 8)]
     dls = DataLoaders(DataLoader(batches, bs=None), DataLoader(batches[:1], bs=None), device='cpu')

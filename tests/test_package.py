@@ -8,32 +8,56 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT/'accum_callback'
 
-def _imports(path:Path, level:int=1)->set:
-    """The package's own modules a file imports, at its top or inside functions (`from .x import`, `from . import x`;
-    `level` 2 for a file of a subpackage: `from ..x import`)"""
+def _imports(path:Path)->set:
+    """The package's own modules a file imports, at its top or inside functions, as dotted paths under `accum_callback`
+    (`from .x import`, `from ..core.x import`, `from . import x`, `from accum_callback.x import`)"""
+    here = path.relative_to(PKG).with_suffix('').parts
+    pkg = here[:-1] if here[-1] != '__init__' else here[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == level:
-            if node.module: out.add(node.module.split('.')[0])
-            else: out.update(a.name for a in node.names)
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(pkg[:len(pkg) - (node.level - 1)])
+            if node.module: out.add('.'.join(base + node.module.split('.')))
+            else: out.update('.'.join(base + [a.name]) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('accum_callback.'):
-            out.add(node.module.split('.')[1])
+            out.add(node.module.split('.', 1)[1])
     return out
 
-def _layer_imports(m:str)->set:
-    "What the layer `m` imports of the package: a module's imports, or those of every file of a subpackage"
-    if (PKG/m).is_dir(): return set().union(*(_imports(p, level=2) for p in (PKG/m).glob('*.py')))
-    return _imports(PKG/f'{m}.py')
-
-def test_modules_form_layers_no_import_circle():
+def _module_of(dotted:str)->str:
+    "The module a dotted import path names (`micro` is the micro package's face, which loads all of it)"
     import accum_callback
-    layers = accum_callback._LAYERS
-    mods = {p.stem for p in PKG.glob('*.py') if p.stem not in ('__init__', '__main__')} | {p.parent.name for p in PKG.glob('*/__init__.py')}
-    assert mods == set(layers), f'modules missing from accum_callback._LAYERS or gone: {mods ^ set(layers)}'
-    for i,m in enumerate(layers):
-        up = _layer_imports(m) - set(layers[:i])
-        assert not up, f'{m} imports {sorted(up)}, which are not below it in {layers}'
-    assert _layer_imports('micro') >= {'distributed', 'compat'}   # the subpackage's imports are read
+    return dotted if dotted in accum_callback._LAYERS else next((m for m in accum_callback._LAYERS if dotted.startswith(m + '.')), dotted)
+
+def _files()->dict:
+    "Every module of the package as its dotted path, with its file (a subpackage's face, `__init__.py`, under its package's name)"
+    out = {}
+    for p in PKG.rglob('*.py'):
+        parts = p.relative_to(PKG).with_suffix('').parts
+        if parts in (('__init__',), ('__main__',)): continue
+        out['.'.join(parts[:-1] if parts[-1] == '__init__' else parts)] = p
+    return out
+
+def test_the_package_is_in_tiers_each_importing_its_own_and_those_below():
+    """Issue 60: at most 12 top-level rooms (subpackages and modules), in tiers (`accum_callback._TIERS`): a module
+    imports only modules of its own tier that come before it and modules of tiers below, so no circle and no arrow back
+    up; every module is in the list and every listed one exists"""
+    import accum_callback
+    tiers = accum_callback._TIERS
+    top = {p.name if p.is_dir() else p.stem for p in PKG.iterdir() if (p.is_dir() and (p/'__init__.py').exists()) or p.suffix == '.py'} - {'__init__'}
+    assert len(top) <= 12, sorted(top)
+    assert {t for t,_ in tiers} == top - {'__main__'}, {t for t,_ in tiers} ^ (top - {'__main__'})
+    files = _files()
+    listed = set(accum_callback._LAYERS)
+    faces = {t for t,ms in tiers if ms}   # (a subpackage's face: a docstring, and names loaded lazily or handed on)
+    assert set(files) == listed | faces, set(files) ^ (listed | faces)
+    for i,(t,ms) in enumerate(tiers):
+        below = {f'{u}.{m}' if m else u for u,ms2 in tiers[:i] for m in (ms2 or ('',))} | {u for u,_ in tiers[:i]}
+        for j,m in enumerate(ms or ('',)):
+            name = f'{t}.{m}' if m else t
+            before = {f'{t}.{x}' for x in (ms or ())[:j]} | {t}
+            ups = {d for d in _imports(files[name]) if _module_of(d) not in below | before}
+            assert not ups, f'{name} imports {sorted(ups)}: not below it in accum_callback._TIERS'
+    assert any(d.startswith('core.') for d in _imports(files['micro.loader']))   # (the imports are read)
 
 @pytest.mark.parametrize('first', ['GradientAccumulation', 'bn_to_groupnorm'])
 def test_the_learner_has_every_patch_whichever_name_comes_first(first):
@@ -48,7 +72,7 @@ def test_a_fit_that_shards_nothing_does_not_load_fsdp():
     now = fit_memory.run('now')
     assert not now['fsdp'] and not now['dtensor']
 
-# -- torch outside its public API: only through accum_callback/compat.py -----------------------------------------------
+# -- torch outside its public API: only through accum_callback/compat/torch.py -----------------------------------------------
 PRIVATE_ATTRS = {'_buffers', '_modules', '_get_fsdp_state', '_fsdp_param_groups', '_unsharded_param', 'unsharded_accumulated_grad',
                  '_orig_mod', '_torchdynamo_orig_backend', '_BatchNorm', '_utils', '_pytree'}
 
@@ -63,16 +87,16 @@ def _private_uses(path:Path)->list:
     return out
 
 def test_private_torch_names_are_reached_only_through_compat():
-    files = [p for d in ('accum_callback', 'accum_finetune') for p in (ROOT/d).rglob('*.py') if p.name != 'compat.py']
+    files = [p for d in ('accum_callback', 'accum_finetune') for p in (ROOT/d).rglob('*.py') if p != PKG/'compat'/'torch.py']
     found = [u for p in files for u in _private_uses(p)]
-    assert not found, f'private torch names outside accum_callback/compat.py (add a helper there): {found}'
-    assert _private_uses(PKG/'compat.py'), 'the check reads nothing'   # it does find them where they are
+    assert not found, f'private torch names outside accum_callback/compat/torch.py (add a helper there): {found}'
+    assert _private_uses(PKG/'compat'/'torch.py'), 'the check reads nothing'   # it does find them where they are
 
 @pytest.mark.parametrize('name,args', [('mul_', (2.,)), ('copy_', 'dst'), ('add_', (1.,)), ('add', (0.5,)), ('sqrt_', ()),
                                        ('div', 'dst'), ('clamp_min_', ([0.1, -0.2],)), ('clamp_max_', ([0.3, 0.2],)), ('norm', ())])
 def test_foreach_falls_back_to_a_loop_with_the_same_result(name, args):
     import torch
-    from accum_callback.compat import _loop, foreach
+    from accum_callback.compat.torch import _loop, foreach
     mk = lambda: [torch.rand(3, generator=torch.Generator().manual_seed(i)) + 0.1 for i in range(2)]
     if args == 'dst': args = ([t + 1 for t in mk()],)
     a,b = mk(),mk()
@@ -82,7 +106,7 @@ def test_foreach_falls_back_to_a_loop_with_the_same_result(name, args):
 
 def test_tree_helpers_round_trip():
     import collections, torch
-    from accum_callback.compat import tree_flatten, tree_map, tree_unflatten
+    from accum_callback.compat.torch import tree_flatten, tree_map, tree_unflatten
     P = collections.namedtuple('P', 'a b')
     obj = dict(x=[torch.ones(1), (2, P(3, [4]))], y=collections.defaultdict(list, z=5), w=())
     leaves,spec = tree_flatten(obj)
@@ -104,7 +128,7 @@ class _FSDPParam215:
 def test_held_fsdp_grads_cleared_in_either_layout(cls):
     "Found by what the class has (an attribute, or a property without setter), not by torch's version number"
     import torch
-    from accum_callback.compat import clear_held_grads, held_unsharded_grad
+    from accum_callback.compat.torch import clear_held_grads, held_unsharded_grad
     up = torch.nn.Parameter(torch.zeros(3)); up.grad = torch.ones(3)
     fp = cls(up, torch.full((3,), 2.)) if cls is _FSDPParam214 else cls(up)
     assert float(held_unsharded_grad(fp).sum()) == (6. if cls is _FSDPParam214 else 3.)
@@ -161,7 +185,7 @@ def test_private_fastai_names_are_reached_only_through_fastai_compat():
     "As torch's in compat.py: a fastai name outside its public API (an attribute or a string naming one) sits in fastai_compat.py"
     found = []
     for path in sorted(PKG.rglob('*.py')):
-        if path.name == 'fastai_compat.py': continue
+        if path == PKG/'compat'/'fastai.py': continue
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
             if name in FASTAI_PRIVATE: found.append(f'{path.relative_to(PKG)}:{node.lineno} {name}')
@@ -189,7 +213,7 @@ def test_no_module_over_400_lines_and_gradient_accumulation_an_adapter():
     import ast
     long = {p.relative_to(PKG).as_posix(): n for p in PKG.rglob('*.py') if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
-    src = (PKG/'accumulate.py').read_text()
+    src = (PKG/'window'/'accumulate.py').read_text()
     cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == 'GradientAccumulation')
     assert _code_lines(src, cls) <= 150, _code_lines(src, cls)
 
@@ -199,31 +223,55 @@ def test_checkpoint_is_a_manager_of_pieces():
     `GradientAccumulation`, `BatchNormAccumulation`, `MicroBatching` (it finds the window's owner by `guard.WindowOwner`
     and the piece being run on the loader), and the class is at most 200 code lines"""
     import ast
-    src = (PKG/'checkpoint.py').read_text()
+    src = (PKG/'resume'/'checkpoint.py').read_text()
     tree = ast.parse(src)
     imported = {(n.module or '') for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level} | \
                {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    feature = {m for m in imported if m.split('.')[0] in ('accumulate', 'batchnorm', 'micro') or 'accum_callback.micro' in m}
+    feature = {m for m in imported if m.lstrip('.') in ('window.accumulate', 'batchnorm', 'batchnorm.callback', 'micro', 'micro.callback') or 'accum_callback.micro' in m}
     assert not feature, feature
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == 'Checkpoint')
     assert _code_lines(src, cls) <= 200, _code_lines(src, cls)
 
-# where a module's tests are when they are not in tests/test_<module>.py (each file named must name the module)
-TESTED_IN = dict(bn_check='test_precise.py', bn_stats='test_batchnorm.py', checkpoint='test_resume.py',
-                 checkpoint_format='test_resume.py', fit_state='test_resume.py', fit_place='test_resume.py', loaders='test_resume.py', compat='test_package.py',
-                 elastic='test_global_order.py', sharded_checkpoint='test_global_order.py', files='test_resume.py', fsdp='test_distributed.py', modes='test_batchnorm.py',
-                 noise_measure='test_noise.py', norm_layers='test_batchnorm.py', testing='test_distributed.py',
-                 window_log='test_accumulate.py')
+# where a module's tests are when they are not in tests/test_<module's last name>.py (each file named must name the module)
+TESTED_IN = {'compat.torch': 'test_package.py', 'compat.fastai': 'test_package.py', 'core.args': 'test_validate.py',
+             'core.files': 'test_resume.py', 'core.losses': 'test_losses.py', 'core.distributed': 'test_distributed.py',
+             'core.loaders': 'test_resume.py', 'core.protocols': 'test_guard.py', 'window.state': 'test_window.py',
+             'window.log': 'test_accumulate.py', 'window.global_window': 'test_global_order.py',
+             'batchnorm.modes': 'test_batchnorm.py', 'batchnorm.norm_layers': 'test_batchnorm.py',
+             'batchnorm.pool': 'test_batchnorm.py', 'batchnorm.callback': 'test_batchnorm.py',
+             'check.batchnorm': 'test_precise.py', 'check.accumulation': 'test_check.py', 'noise.scale': 'test_noise.py',
+             'noise.measure': 'test_noise.py', 'resume.format': 'test_resume.py', 'resume.fit_state': 'test_resume.py',
+             'resume.fit_place': 'test_resume.py', 'resume.world_size': 'test_global_order.py',
+             'resume.sharded': 'test_global_order.py', 'resume.checkpoint': 'test_resume.py', 'fsdp': 'test_distributed.py',
+             'testing': 'test_distributed.py', 'micro.pieces': 'test_micro_bs.py', 'micro.state': 'test_micro_bs.py',
+             'micro.retry': 'test_micro_bs.py', 'micro.inference': 'test_micro_bs.py', 'micro.loader': 'test_micro_bs.py',
+             'micro.callback': 'test_micro_bs.py'}
 
 def test_every_module_has_its_tests_where_this_map_says():
-    "tests/test_<module>.py, or the file `TESTED_IN` names, which names the module (a module without tests fails here)"
+    "tests/test_<module's last name>.py, or the file `TESTED_IN` names, which names the module (a module without tests fails here)"
+    import accum_callback
     here = Path(__file__).parent
-    for p in sorted(PKG.glob('*.py')):
-        m = p.stem
-        if m in ('__init__', '__main__'): continue
-        f = here/f'test_{m}.py' if (here/f'test_{m}.py').exists() else here/TESTED_IN.get(m, f'test_{m}.py')
-        assert f.exists(), f"accum_callback/{m}.py has no tests/test_{m}.py and no entry in TESTED_IN"
-        assert f == here/f'test_{m}.py' or m in f.read_text(), f"{f.name} does not name {m}"
+    for m in accum_callback._LAYERS:
+        last = m.rsplit('.', 1)[-1]
+        f = here/TESTED_IN[m] if m in TESTED_IN else here/f'test_{last}.py'
+        assert f.exists(), f"accum_callback.{m} has no tests/test_{last}.py and no entry in TESTED_IN"
+        assert f == here/f'test_{last}.py' or any(x in f.read_text() for x in (m, last, m.split('.')[0])), f"{f.name} does not name {m}"
+
+def test_every_0_2_module_path_still_imports_as_the_module_it_moved_to():
+    """Issue 60: the public API does not move: every name in `__all__`, and every 0.2 module path (docs/versions.md),
+    imports, as the very module now at its new path (a pickle naming the old path loads), and a class keeps its names"""
+    import importlib, accum_callback
+    for old,new in accum_callback._OLD_PATHS.items():
+        assert importlib.import_module(f'accum_callback.{old}') is importlib.import_module(f'accum_callback.{new}'), old
+        assert importlib.import_module(f'accum_callback.{new}').__spec__.name == f'accum_callback.{new}'
+    from accum_callback.batchnorm import BatchNormAccumulation, PooledStats, MODES   # (0.2's accum_callback.batchnorm)
+    from accum_callback.window import Window, Phase
+    from accum_callback.check import check_accumulation, CHECK_CAUSES
+    from accum_callback.noise import GradientNoiseScale, noise_estimates
+    from accum_callback.compat import rngs_kept, foreach
+    assert all(getattr(accum_callback, n) for n in accum_callback.__all__)
+    versions = (ROOT/'docs'/'versions.md').read_text()
+    assert all(f'`accum_callback.{old}`' in versions for old in accum_callback._OLD_PATHS)
 
 def test_no_private_name_is_imported_across_the_packages_modules():
     "Issue 60: a module uses another's public names only (`from .x import _y` is a private name crossing a boundary)"

@@ -1,4 +1,4 @@
-"""The window plan (`accum_callback.plan`, issue 53): the window's size from its schedule, the rule that closes it, the
+"""The window plan (`accum_callback.window.plan`, issue 53): the window's size from its schedule, the rule that closes it, the
 schedule's clock in windows and the step's learning-rate gain, a declared method of the window schedule (1 unless the
 schedule says otherwise). Each is checked against what it stands for: the windows an epoch takes, the large batch's
 step a window stands for, and the trained weights of a gain against the same run with the learning rate scaled by hand.
@@ -11,9 +11,9 @@ import torch
 from fastai.callback.core import Callback
 
 from accum_callback import GradientAccumulation, MicroBatching, WindowSchedule
-from accum_callback.plan import WindowPlan
-from accum_callback.schedule import windows_started
-from accum_callback.window import Window
+from accum_callback.window.plan import WindowPlan
+from accum_callback.window.schedule import windows_started
+from accum_callback.window.state import Window
 from helpers import make_data, make_learner, fit_quiet, flat, rel_err
 
 F64 = torch.float64
@@ -82,7 +82,7 @@ def test_the_gain_is_a_declared_method_of_the_schedule():
     assert lrs == [0.1, 0.1] and after == 0.05 and rel_err(got, ref) <= 1e-12
 
 def test_a_noise_scale_schedule_is_a_window_schedule():
-    from accum_callback.noise import GradientNoiseScale
+    from accum_callback.noise.scale import GradientNoiseScale
     s = GradientNoiseScale().schedule(lo=8, lr='linear')
     assert isinstance(s, WindowSchedule) and not s.per_epoch and s.constant is None and s.lr_gain(16) == 2.
     assert GradientAccumulation(target_bs=s).plan.sched is s

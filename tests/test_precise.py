@@ -8,7 +8,7 @@ from fastai.callback.core import Callback
 from torch.utils.data import TensorDataset
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
-from accum_callback.precise import precise_bn_stats, training_items
+from accum_callback.batchnorm.precise import precise_bn_stats, training_items
 from accum_callback.testing import launch_gloo
 from helpers import DISTRIBUTED_KINDS, fit_quiet, make_learner
 

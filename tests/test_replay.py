@@ -1,4 +1,4 @@
-"""`accum_callback.replay`: training replayed on a copy of the model. The window accumulated by the window's rule equals
+"""`accum_callback.check.replay`: training replayed on a copy of the model. The window accumulated by the window's rule equals
 one batch of it on a per-sample model (float64, 1e-12), the Learner is left exactly as it was (weights, buffers,
 gradients, modes; each pass starts from the RNG as it was), and the modes it sets touch each norm layer's own flag only"""
 import pytest
@@ -7,7 +7,7 @@ from torch.utils.data import TensorDataset
 from fastai.learner import Learner
 
 from accum_callback import GradientAccumulation
-from accum_callback.replay import Replay, micro_batches, training_model
+from accum_callback.check.replay import Replay, micro_batches, training_model
 from helpers import Float64Smoothing, make_dls
 
 def _learner(bn=False):

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from accum_callback import Checkpoint, GradientAccumulation
-from accum_callback.checkpoint import CheckpointError, _MAGIC, read_checkpoint
+from accum_callback.resume.checkpoint import CheckpointError, _MAGIC, read_checkpoint
 from helpers import make_learner, make_data
 
 WORKER = Path(__file__).with_name('resume_worker.py')
@@ -201,7 +201,7 @@ def _plant(path:Path, marker:Path):
     path.write_bytes(_MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data)) + data)
 
 def test_a_planted_checkpoint_is_refused_and_never_runs(tmp_path):
-    from accum_callback.checkpoint import UnsafeCheckpoint
+    from accum_callback.resume.checkpoint import UnsafeCheckpoint
     ck = _interrupted(tmp_path)
     good = sorted(ck.glob('ckpt-*.rank0.pt'))[-1]
     planted,marker = ck/'ckpt-000099.rank0.pt',tmp_path/'ran.txt'
@@ -291,7 +291,7 @@ def test_another_learning_rate_after_a_kill_is_refused(tmp_path):
 
 # -- write faults (issue 51) ----------------------------------------------------------------------------------------------
 def test_a_path_that_is_a_file_or_unwritable_is_refused_when_the_fit_starts(tmp_path, monkeypatch):
-    import accum_callback.files as F
+    import accum_callback.core.files as F
     (tmp_path/'afile').write_text('x')
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'afile', minutes=10)])
     w = [p.detach().clone() for p in learn.model.parameters()]
@@ -304,7 +304,7 @@ def test_a_path_that_is_a_file_or_unwritable_is_refused_when_the_fit_starts(tmp_
 
 def test_a_write_that_fails_mid_fit_warns_and_training_goes_on(tmp_path, monkeypatch):
     import contextlib, errno
-    import accum_callback.checkpoint_format as C   # (where checkpoint files are written)
+    import accum_callback.resume.format as C   # (where checkpoint files are written)
     real,calls = C.atomic_write,[0]
     @contextlib.contextmanager
     def full_disk(path, *a, **k):   # the 2nd and 3rd writes fail part-way, as a full disk (EFBIG, ENOSPC) does

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from accum_callback import Checkpoint, GradientAccumulation
-from accum_callback.checkpoint_format import _MAGIC, CheckpointError, read_checkpoint
+from accum_callback.resume.format import _MAGIC, CheckpointError, read_checkpoint
 from helpers import make_data, make_learner
 from test_resume import Boom, RaiseAt
 
@@ -221,14 +221,14 @@ def test_what_a_killed_write_left_is_removed_at_fit_start_and_nothing_else(tmp_p
 def test_dcp_metadata_of_the_wrong_structure_is_a_checkpoint_error(tmp_path):
     import pickle
     from torch.distributed.checkpoint.metadata import Metadata
-    from accum_callback.sharded_checkpoint import read_dcp_metadata
+    from accum_callback.resume.sharded import read_dcp_metadata
     (tmp_path/'.metadata').write_bytes(pickle.dumps(Metadata(state_dict_metadata=[])))
     with pytest.raises(CheckpointError, match='state_dict_metadata is a list'): read_dcp_metadata(tmp_path/'.metadata')
 
 # -- the signature holds the data (issue 61, item 2) ---------------------------------------------------------------------
 def test_another_notebook_on_other_data_in_the_same_folder_is_refused_naming_the_data(tmp_path):
     "Two notebooks, one default folder: a fit on other data of the same shapes and arguments is refused, not resumed"
-    from accum_callback.fit_state import data_identity
+    from accum_callback.resume.fit_state import data_identity
     files = _interrupted(tmp_path/'ck')
     other = make_data(40, seed=5)   # the same shapes, other samples
     learn = make_learner(other, 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck')])
@@ -289,7 +289,7 @@ def test_batch_renorm_resumes_its_ramp_bitwise(tmp_path, kw):
     0 it was 5.8e-4 (defaults) and 4.0e-3 (warmup=2, ramp=10) off. Cut mid-window and resumed: bitwise, counts equal"""
     import torch.nn as nn
     from accum_callback import BatchNormAccumulation
-    from accum_callback.norm_layers import BatchRenorm
+    from accum_callback.batchnorm.norm_layers import BatchRenorm
     def run(folder, cut=None):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
@@ -353,7 +353,7 @@ def test_long_lists_rng_states_and_the_signature_are_single_objects_and_read_bac
     numpy's RNG states and the signature as one tensor or one JSON text each, not an object per number; read back
     exactly (NaN and inf too), and a malformed one is refused, never applied"""
     import math, random, numpy as np
-    from accum_callback.checkpoint_format import AsJson, plain_state, from_plain, json_normal
+    from accum_callback.resume.format import AsJson, plain_state, from_plain, json_normal
     floats = [random.random() for _ in range(200)] + [math.nan, math.inf, -0.0]
     st = dict(f=floats, i=tuple(range(-5, 300)), py=random.getstate(), np=np.random.get_state(),
               sig=AsJson({'fit': 1, 'model': [('w', (3, 4))]}), short=[1.5, 2.5], mixed=[1]*70 + [2.0])

@@ -12,9 +12,9 @@ from fastai.callback.core import Callback
 from fastai.learner import Learner
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
-from accum_callback.compat import BatchNormBase
-from accum_callback.norm_layers import bn_to_batchrenorm, bn_to_groupnorm, set_norm_mode
-from accum_callback.precise import precise_bn_stats
+from accum_callback.compat.torch import BatchNormBase
+from accum_callback.batchnorm.norm_layers import bn_to_batchrenorm, bn_to_groupnorm, set_norm_mode
+from accum_callback.batchnorm.precise import precise_bn_stats
 from helpers import Float64Smoothing, make_dls, rel_err
 
 timm = pytest.importorskip('timm')

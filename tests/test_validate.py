@@ -1,6 +1,6 @@
-"`accum_callback.validate`: the one rule for counts and switches, each refusal naming the argument and what to give"
+"`accum_callback.core.args`: the one rule for counts and switches, each refusal naming the argument and what to give"
 import pytest
-from accum_callback.validate import NotWholeNumber, flag, whole_number
+from accum_callback.core.args import NotWholeNumber, flag, whole_number
 
 @pytest.mark.parametrize('v,lo,ok', [(3, 1, 3), (0, 0, 0), (2**40, 1, 2**40)])
 def test_whole_numbers_in_range_pass(v, lo, ok):

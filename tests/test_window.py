@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 import accum_callback
 from accum_callback import GradientAccumulation
-from accum_callback.window import Phase, StepRecord, Window
+from accum_callback.window.state import Phase, StepRecord, Window
 from helpers import make_data, make_learner, flat, rel_err
 
 def _uneven():

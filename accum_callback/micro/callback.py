@@ -10,9 +10,9 @@ import torch
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
-from ..distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..guard import CANCELS, Companion, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
-from ..validate import NotWholeNumber, flag, whole_number
+from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
+from ..core.protocols import CANCELS, Companion, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
 from .pieces import first_line, halved, is_out_of_memory, n_pieces

@@ -6,8 +6,8 @@ import gc, warnings
 
 import torch
 
-from ..distributed import is_fsdp, unwrap
-from ..losses import loss_items, loss_reduction
+from ..core.distributed import is_fsdp, unwrap
+from ..core.losses import loss_items, loss_reduction
 from .pieces import batch_size, cat_outputs, first_line, halved, is_out_of_memory, piece_bounds, slice_batch
 from .state import RowStates, stateful_modules
 

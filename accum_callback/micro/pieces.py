@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..compat import OutOfMemoryError
+from ..compat.torch import OutOfMemoryError
 
 __all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line', 'batch_size', 'batch_tensors']
 

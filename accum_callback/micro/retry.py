@@ -7,8 +7,8 @@ import gc, random
 import torch
 from fastai.callback.fp16 import MixedPrecision
 
-from ..compat import BatchNormBase, autocast_enabled, foreach
-from ..guard import Listeners
+from ..compat.torch import BatchNormBase, autocast_enabled, foreach
+from ..core.protocols import Listeners
 
 __all__ = ['Snapshot', 'PeerOutOfMemory']
 

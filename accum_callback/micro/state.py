@@ -6,8 +6,8 @@ import copy, functools
 
 import torch, torch.nn as nn
 
-from ..compat import tree_flatten, tree_unflatten
-from ..distributed import unwrap
+from ..compat.torch import tree_flatten, tree_unflatten
+from ..core.distributed import unwrap
 
 __all__ = ['copy_module', 'StatefulModelError', 'stateful_modules', 'refuse_stateful', 'RowStates']
 

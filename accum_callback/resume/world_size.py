@@ -10,13 +10,13 @@ import warnings
 
 from fastai.callback.core import Callback
 
-from .checkpoint_format import CheckpointError, is_rank_shard, read_checkpoint
-from .compat import rng_states
-from .distributed import is_fsdp, process_count, process_rank
+from .format import CheckpointError, is_rank_shard, read_checkpoint
+from ..compat.torch import rng_states
+from ..core.distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
-from .global_order import global_samples, rank_batches, window_ends
-from .guard import RunningStatsPolicy
-from .precise import trained_bn_layers
+from ..window.global_window import global_samples, rank_batches, window_ends
+from ..core.protocols import RunningStatsPolicy
+from ..batchnorm.precise import trained_bn_layers
 
 __all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world', 'say_what_differs', 'RankDraws']
 

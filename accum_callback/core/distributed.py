@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from .validate import flag
-from .compat import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
+from .args import flag
+from ..compat.torch import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
 __all__ = ['SyncPolicy', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
            'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',

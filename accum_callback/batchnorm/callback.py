@@ -8,16 +8,16 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastcore.basics import store_attr
 
-from .accumulate import GradientAccumulation
-from .compat import is_compiled
-from .micro import micro_batching, micro_size
+from ..window.accumulate import GradientAccumulation
+from ..compat.torch import is_compiled
+from ..micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
-from .distributed import fsdp_modules, process_count, sync_batchnorm_world
-from .guard import CANCELS, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
+from ..core.protocols import CANCELS, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
-from .bn_stats import PooledStats, RecomputeGuard, accumulated_momentum, pooled_mean_var   # (re-exported)
-from .validate import whole_number
+from .pool import PooledStats, RecomputeGuard, accumulated_momentum, pooled_mean_var   # (re-exported)
+from ..core.args import whole_number
 
 __all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats', 'RecomputeGuard']
 

@@ -4,9 +4,9 @@ large batch whatever the rule. Each warning names the argument and what to do; n
 from __future__ import annotations
 import math, warnings
 
-from .distributed import is_fsdp
-from .losses import counting_note
-from .loaders import batch_sizes
+from ..core.distributed import is_fsdp
+from ..core.losses import counting_note
+from ..core.loaders import batch_sizes
 from .schedule import windows_started
 
 __all__ = ['warn_at_fit_start', 'warn_counting']

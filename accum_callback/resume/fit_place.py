@@ -10,8 +10,8 @@ from fastai.callback.core import CancelEpochException
 from fastai.torch_core import find_device, to_device
 from fastcore.foundation import L
 
-from .compat import rng_states, set_rng_states
-from .distributed import process_count, unwrap
+from ..compat.torch import rng_states, set_rng_states
+from ..core.distributed import process_count, unwrap
 from .fit_state import (carried_state, load_carried_state, loader_orders, loader_rngs, restore_recorder, set_loader_orders,
                         set_loader_rngs, settle_loaders)
 

@@ -10,15 +10,15 @@ import torch
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs, to_device
 
-from .compat import BatchNormBase
-from .distributed import unwrap
-from .losses import loss_reduction, micro_items
-from .micro import RowStates, cat_outputs, copy_module, stateful_modules
-from .loaders import model_device, own_loader
-from .micro.loader import loader_pieces
-from .norm_layers import is_batchnorm, set_norm_mode
-from .precise import rng_states, set_rng_states
-from .window import Window
+from ..compat.torch import BatchNormBase
+from ..core.distributed import unwrap
+from ..core.losses import loss_reduction, micro_items
+from ..micro import RowStates, cat_outputs, copy_module, stateful_modules
+from ..core.loaders import model_device, own_loader
+from ..micro.loader import loader_pieces
+from ..batchnorm.norm_layers import is_batchnorm, set_norm_mode
+from ..batchnorm.precise import rng_states, set_rng_states
+from ..window.state import Window
 
 __all__ = ['Replay', 'Grads', 'micro_batches', 'training_model', 'flat_out']
 

@@ -12,17 +12,17 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs, to_device
 from fastcore.basics import patch
 
-from .accumulate import GradientAccumulation
-from .batchnorm import BatchNormAccumulation
-from .compat import BatchNormBase
-from .distributed import is_fsdp
-from .losses import loss_reduction, model_loss
-from .micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
-from .loaders import model_device
-from .micro.pieces import batch_tensors
-from .compat import rngs_kept
+from ..window.accumulate import GradientAccumulation
+from ..batchnorm.callback import BatchNormAccumulation
+from ..compat.torch import BatchNormBase
+from ..core.distributed import is_fsdp
+from ..core.losses import loss_reduction, model_loss
+from ..micro import cat_outputs, copy_module, halved, is_out_of_memory, micro_batching, n_pieces, slice_batch
+from ..core.loaders import model_device
+from ..micro.pieces import batch_tensors
+from ..compat.torch import rngs_kept
 from .replay import Replay, flat_out, micro_batches, training_model
-from .validate import whole_number
+from ..core.args import whole_number
 
 __all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint_format import CheckpointError, UnsafeCheckpoint, read_checkpoint
-from .distributed import is_fsdp, process_count, process_rank, unwrap
-from .elastic import is_elastic
+from .format import CheckpointError, UnsafeCheckpoint, read_checkpoint
+from ..core.distributed import is_fsdp, process_count, process_rank, unwrap
+from .world_size import is_elastic
 
 __all__ = ['writes_sharded', 'sharded_state', 'save_sharded', 'read_whole', 'check_sharded', 'load_sharded', 'remove_sharded',
            'read_dcp_metadata']

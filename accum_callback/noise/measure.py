@@ -12,18 +12,18 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
-from .accumulate import GradientAccumulation
-from .batchnorm import BatchNormAccumulation
-from .micro import micro_size, n_pieces
-from .loaders import batch_sizes, own_loader
-from .micro.loader import loader_pieces
-from .distributed import is_fsdp
-from .losses import loss_reduction
-from .window import Window
-from .compat import rngs_kept
-from .replay import Replay, training_model
-from .validate import flag, whole_number
-from .noise import noise_estimates, ratio_of, sq_norm
+from ..window.accumulate import GradientAccumulation
+from ..batchnorm.callback import BatchNormAccumulation
+from ..micro import micro_size, n_pieces
+from ..core.loaders import batch_sizes, own_loader
+from ..micro.loader import loader_pieces
+from ..core.distributed import is_fsdp
+from ..core.losses import loss_reduction
+from ..window.state import Window
+from ..compat.torch import rngs_kept
+from ..check.replay import Replay, training_model
+from ..core.args import flag, whole_number
+from .scale import noise_estimates, ratio_of, sq_norm
 
 __all__ = ['NoiseScaleReport']
 

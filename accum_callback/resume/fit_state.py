@@ -10,11 +10,11 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import TrackerCallback
 from fastai.torch_core import to_device
 
-from .checkpoint_format import CheckpointError, reshard
-from .compat import local_tensor, rng_states, set_rng_states
-from .distributed import unwrap
-from .fastai_compat import train_metrics
-from .micro import stateful_modules
+from .format import CheckpointError, reshard
+from ..compat.torch import local_tensor, rng_states, set_rng_states
+from ..core.distributed import unwrap
+from ..compat.fastai import train_metrics
+from ..micro import stateful_modules
 
 _RECORDER_KEYS = ('lrs', 'iters', 'losses', 'values')
 
@@ -308,8 +308,8 @@ def fit_signature(learn, ga, n_fit:int, fit_args:dict, loader:dict)->dict:
     """What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs): the
     fit's number in the session, its epochs, the processes and the loader (`loader`: `elastic.loader_signature`'s), the
     data, the window, the callbacks' modes, the model's shapes, the fit's arguments"""
-    from .batchnorm import BatchNormAccumulation
-    from .micro import MicroBatching
+    from ..batchnorm.callback import BatchNormAccumulation
+    from ..micro import MicroBatching
     mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
     bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
     return {'fit': n_fit, 'n_epoch': learn.n_epoch, **loader, 'data': data_identity(learn.dls.train),

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from .distributed import exit_no_sync
+from ..core.distributed import exit_no_sync
 
 __all__ = ['Window', 'Phase', 'StepRecord']
 

@@ -6,8 +6,8 @@ from numbers import Real
 
 import torch, torch.nn as nn, torch.nn.functional as F
 
-from .compat import BatchNormBase, foreach, module_dicts
-from .validate import whole_number
+from ..compat.torch import BatchNormBase, foreach, module_dicts
+from ..core.args import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
            'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm', 'set_norm_mode']

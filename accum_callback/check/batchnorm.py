@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from fastai.learner import Learner
 from fastcore.basics import patch
 
-from .distributed import is_fsdp
-from .micro import copy_module, micro_size
-from .compat import rngs_kept
-from .precise import bn_layers_with_stats, precise_bn_stats, recorder_kept, trained_bn_layers, training_items
+from ..core.distributed import is_fsdp
+from ..micro import copy_module, micro_size
+from ..compat.torch import rngs_kept
+from ..batchnorm.precise import bn_layers_with_stats, precise_bn_stats, recorder_kept, trained_bn_layers, training_items
 from .replay import training_model
-from .validate import whole_number
+from ..core.args import whole_number
 
 __all__ = ['BatchNormReport', 'check_batchnorm']
 

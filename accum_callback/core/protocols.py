@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastai.callback.core import CancelEpochException, CancelFitException
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 
-from .compat import compiled_with_cuda_graphs
-from .fastai_compat import clear_epoch_events, epoch_events, set_epoch_events
+from ..compat.torch import compiled_with_cuda_graphs
+from ..compat.fastai import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
 __all__ = ['StopSignals', 'WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from fastcore.foundation import L
 
-from .files import atomic_write
-from .window import Phase, StepRecord
+from ..core.files import atomic_write
+from ..window.state import Phase, StepRecord
 
 __all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
            'is_rank_shard']
@@ -30,7 +30,8 @@ class UnsafeCheckpoint(CheckpointError):
 # written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`,
 # and the package's own enums and named tuples (the window's phase and step records), by name from this table only.
 _TAG = '__accum_callback__'
-_OWN_TYPES = {f'{c.__module__}.{c.__qualname__}': c for c in (Phase, StepRecord)}
+_OWN_TYPES = {'accum_callback.window.Phase': Phase, 'accum_callback.window.StepRecord': StepRecord}   # (the names files hold: 0.2's)
+_OWN_NAMES = {c: n for n,c in _OWN_TYPES.items()}
 
 _PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
@@ -88,9 +89,9 @@ def _plain(o, copy:bool):
                            "hold: give a plain tensor")
         v = o.detach().as_subclass(torch.Tensor)
         return {_TAG: 'tensor', 'type': name, 'value': v.clone() if copy else v}
-    if name in _OWN_TYPES:
-        if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': name, 'value': o.value}
-        return {_TAG: 'tuple', 'type': name, 'value': [_plain(v, copy) for v in o]}
+    if t in _OWN_NAMES:
+        if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': _OWN_NAMES[t], 'value': o.value}
+        return {_TAG: 'tuple', 'type': _OWN_NAMES[t], 'value': [_plain(v, copy) for v in o]}
     if isinstance(o, np.ndarray):   # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
         fits = o.dtype.kind in 'bif' or (o.dtype.kind == 'u' and o.dtype.itemsize < 8)
         value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f' else np.int64).ravel()) if fits else o.ravel().tolist()

@@ -17,14 +17,14 @@ import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastai.learner import ValueMetric
 
-from .accumulate import GradientAccumulation
-from .micro import micro_batching
-from .loaders import model_device
-from .compat import foreach, grad_scale, held_unsharded_grad, local_tensor
-from .distributed import fsdp_params, is_distributed, is_fsdp
-from .schedule import WindowSchedule
-from .guard import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
-from .validate import whole_number
+from ..window.accumulate import GradientAccumulation
+from ..micro import micro_batching
+from ..core.loaders import model_device
+from ..compat.torch import foreach, grad_scale, held_unsharded_grad, local_tensor
+from ..core.distributed import fsdp_params, is_distributed, is_fsdp
+from ..window.schedule import WindowSchedule
+from ..core.protocols import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.args import whole_number
 
 LR_RULES = (None, 'linear', 'sqrt', 'auto')
 

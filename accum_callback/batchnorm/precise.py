@@ -12,13 +12,13 @@ import torch, torch.nn as nn
 import torch.distributed as dist
 from fastai.torch_core import find_bs, to_device
 
-from .compat import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
-from .distributed import is_distributed, process_count, process_rank
-from .global_order import deal_share
-from .guard import RunningStatsPolicy
-from .loaders import model_device
-from .micro.loader import loader_pieces
-from .micro.pieces import piece_bounds, slice_batch
+from ..compat.torch import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
+from ..core.distributed import is_distributed, process_count, process_rank
+from ..window.global_window import deal_share
+from ..core.protocols import RunningStatsPolicy
+from ..core.loaders import model_device
+from ..micro.loader import loader_pieces
+from ..micro.pieces import piece_bounds, slice_batch
 from .norm_layers import set_norm_mode
 
 __all__ = ['pooled_moments', 'Unrecorded', 'rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',

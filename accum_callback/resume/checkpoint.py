@@ -19,17 +19,17 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
 
-from .distributed import reduce_floats, is_distributed, process_count, process_rank
-from .guard import CANCELS, StopSignals, WindowOwner, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
-from .loaders import ReadAhead, can_skip
-from .checkpoint_format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
+from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
+from ..core.protocols import CANCELS, StopSignals, WindowOwner, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
+from ..core.loaders import ReadAhead, can_skip
+from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_place import FitPlace, inner_loader
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
-from .elastic import elastic_state, is_elastic, loader_signature, save_waits, source_rank
-from .sharded_checkpoint import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
-from .files import Background, serials, keep_copy, new_file_perms, remove_stale_parts, writable_folder
-from .validate import whole_number
+from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank
+from .sharded import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
+from ..core.files import Background, serials, keep_copy, new_file_perms, remove_stale_parts, writable_folder
+from ..core.args import whole_number
 _write,_MAGIC = write_checkpoint,MAGIC   # (the name bench/checkpoint_cost.py times; the magic's name before 0.3)
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']

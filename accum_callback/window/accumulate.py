@@ -9,20 +9,20 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
-from .compat import foreach
-from .distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
-from .guard import (BringsCallbacks, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner,
+from ..compat.torch import foreach
+from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
+from ..core.protocols import (BringsCallbacks, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner,
                     refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
-from .losses import check_n_items, count_dtype, loss_reduction, micro_items
-from .micro import MicroBatching, check_micro_bs, micro_batching
-from .loaders import ReadAhead
-from .micro.loader import CutLoader
+from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
+from ..micro import MicroBatching, check_micro_bs, micro_batching
+from ..core.loaders import ReadAhead
+from ..micro.loader import CutLoader
 from .advice import warn_at_fit_start, warn_counting
 from .plan import Padding, WindowPlan
 from .schedule import PARTIAL_MODES
-from .validate import flag
-from .window import Phase, Window
-from .window_log import WindowLog
+from ..core.args import flag
+from .state import Phase, Window
+from .log import WindowLog
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 

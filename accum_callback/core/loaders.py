@@ -8,7 +8,7 @@ import math, random
 
 import torch
 
-from .fastai_compat import copy_loader, torch_loader
+from ..compat.fastai import copy_loader, torch_loader
 
 __all__ = ['Feed', 'ReadAhead', 'with_last', 'can_skip', 'batch_sizes', 'model_device', 'own_loader']
 

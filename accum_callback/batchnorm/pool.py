@@ -7,10 +7,10 @@ from numbers import Real
 
 import torch
 
-from .compat import foreach, module_dicts
-from .distributed import sync_batchnorm_world
+from ..compat.torch import foreach, module_dicts
+from ..core.distributed import sync_batchnorm_world
 from .precise import pooled_moments
-from .validate import whole_number
+from ..core.args import whole_number
 
 __all__ = ['accumulated_momentum', 'pooled_mean_var', 'PooledStats', 'RecomputeGuard']
 

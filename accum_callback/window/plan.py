@@ -4,11 +4,11 @@ it (`schedule.decide`), the schedule's clock in windows (`schedule.WindowClock`)
 from __future__ import annotations
 import math
 
-from .distributed import is_distributed, process_count
-from .global_order import check_fastai_sharding, check_window_share, global_samples, shard_by_window
-from .loaders import batch_sizes
+from ..core.distributed import is_distributed, process_count
+from .global_window import check_fastai_sharding, check_window_share, global_samples, shard_by_window
+from ..core.loaders import batch_sizes
 from .schedule import WindowClock, WindowSchedule, decide, window_arguments
-from .validate import flag
+from ..core.args import flag
 
 __all__ = ['WindowPlan', 'Padding']
 
