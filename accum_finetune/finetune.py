@@ -61,8 +61,8 @@ def precision_callbacks(precision:str)->list:
     return [MixedPrecision(amp_mode=precision)]
 
 # -- BatchNorm mode -------------------------------------------------------------------------------------------------
-# From the studies: nbs/02_batchnorm_study.ipynb (docs/study_results.csv, docs/study_scratch.csv) and
-# bench/bn_precise_study.py (docs/bn_precise_digits.csv, docs/bn_precise_scratch.csv); the figures in docs/batchnorm.md
+# From the studies: nbs/02_batchnorm_study.ipynb (docs/assets/study_results.csv, docs/assets/study_scratch.csv) and
+# bench/bn_precise_study.py (docs/assets/bn_precise_digits.csv, docs/assets/bn_precise_scratch.csv); the figures in docs/batchnorm.md
 AUTO_FULL_BS = 16   # micro-batches at least this large: plain BatchNorm statistics are as good as the large batch's
 AUTO_GROUPNORM_BELOW = 8   # from scratch, micro-batches smaller than this train with GroupNorm
 PRECISE_ITEMS = 512   # `--bn auto`'s 'pool' recomputes the running statistics from this many items at the last epoch's end

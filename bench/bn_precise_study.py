@@ -8,9 +8,9 @@ of 2, 4 and 8 (32 items a step) in short runs and 4 in long ones, several seeds,
 - `scratch`: the case a user reported: digits 0-2 (430 train / 107 valid, 32 px), `vision_learner(resnet18,
   pretrained=False)`, `fit_one_cycle(E, 1e-3)`; short 2 epochs, long 8.
 
-One CSV row per run. Reproduce: `python bench/bn_precise_study.py --task digits --out docs/bn_precise_digits.csv` and
-`--task scratch --out docs/bn_precise_scratch.csv` (about 10 and 25 minutes on one CPU core each), then
-`python bench/bn_precise_study.py --plot docs/bn_precise.png`."""
+One CSV row per run. Reproduce: `python bench/bn_precise_study.py --task digits --out docs/assets/bn_precise_digits.csv` and
+`--task scratch --out docs/assets/bn_precise_scratch.csv` (about 10 and 25 minutes on one CPU core each), then
+`python bench/bn_precise_study.py --plot docs/assets/bn_precise.png`."""
 import argparse, csv, time, warnings
 from pathlib import Path
 import numpy as np
@@ -96,7 +96,7 @@ def load(paths)->list:
         with open(p) as f: rows += list(csv.DictReader(f))
     return rows
 
-DOCS = Path(__file__).resolve().parents[1]/'docs'
+DOCS = Path(__file__).resolve().parents[1]/'docs'/'assets'
 CSVS = (DOCS/'bn_precise_digits.csv', DOCS/'bn_precise_scratch.csv')
 
 def table(s=None)->str:

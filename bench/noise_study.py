@@ -9,9 +9,9 @@ samples seen), several seeds, on two tasks:
   learning rate 2e-2, micro-batches of 4, a base window of 8 items.
 
 Every rule sees the same samples in the same order (the loader's seed); one CSV row per run. Reproduce:
-`python bench/noise_study.py --task transfer --out docs/noise_study_transfer.csv` and `--task scratch --out
-docs/noise_study_scratch.csv` (about 15 and 35 minutes on 2 CPU cores with `--jobs 2`; the recorded CSVs were made in
-two passes, the last three rules added after the first eight), then `python bench/noise_study.py --plot docs/noise_study.png`.
+`python bench/noise_study.py --task transfer --out docs/assets/noise_study_transfer.csv` and `--task scratch --out
+docs/assets/noise_study_scratch.csv` (about 15 and 35 minutes on 2 CPU cores with `--jobs 2`; the recorded CSVs were made in
+two passes, the last three rules added after the first eight), then `python bench/noise_study.py --plot docs/assets/noise_study.png`.
 The rule `noise/2+lin+decay, hi 64` is `noise.schedule(lo=8)` at its defaults beside the decay."""
 import argparse, csv, math, time, warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -102,7 +102,7 @@ def run(task, rule, seed):
                 mean_window=round(sum(sizes)/max(len(sizes), 1), 1), max_window=max(sizes, default=0),
                 max_lr=round(max(lrr.lrs, default=lr), 4), b_simple_end=round(noise.b_simple, 1))
 
-CSVS = ('docs/noise_study_transfer.csv', 'docs/noise_study_scratch.csv')
+CSVS = ('docs/assets/noise_study_transfer.csv', 'docs/assets/noise_study_scratch.csv')
 REFERENCE = 'fixed+decay'   # the rule a grown window must match: the LR decay
 DEFAULT = 'noise/2+lin+decay, hi 64'   # `noise.schedule()` at its defaults (fraction 0.5, lr 'auto': linear for SGD, hi 8 x lo), with the user's decay
 GOAL_PTS,GOAL_STEPS = 0.5,3.   # within 0.5 points of the LR decay's mean accuracy, in at least 3x fewer optimizer steps

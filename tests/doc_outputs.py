@@ -61,10 +61,10 @@ def bn_precise_table()->str: "bench/bn_precise_study.py's table of the recorded 
 def noise_study_table()->str: "bench/noise_study.py's table of the recorded runs"; return _bench('noise_study').table() + '\n'
 
 def bn_study_table()->str:
-    "notebook 02's study (docs/study_results.csv): accuracy per configuration and mode, gap to the large batch, `auto`'s pick"
+    "notebook 02's study (docs/assets/study_results.csv): accuracy per configuration and mode, gap to the large batch, `auto`'s pick"
     import pandas as pd
     from accum_finetune.study import summarize
-    s = summarize(pd.read_csv(ROOT/'docs'/'study_results.csv'))
+    s = summarize(pd.read_csv(ROOT/'docs'/'assets'/'study_results.csv'))
     rows = ['| config | BN mode | accuracy | gap (pts) |', '|---|---|---|---|']
     for r in s.itertuples():
         ref = r.config == 'large batch'

@@ -324,11 +324,11 @@ def _study_cells():
     ('pool', 'pool+precise', 'groupnorm', ...; not the large batch, which needs the memory of one), and `pretrained`"""
     pd = pytest.importorskip('pandas')
     for csv,pretrained in (('study_results.csv', True), ('study_scratch.csv', False)):   # notebook 02 (no precise)
-        df = pd.read_csv(ROOT/'docs'/csv)
+        df = pd.read_csv(ROOT/'docs'/'assets'/csv)
         for mbs,g in df[df.config != 'large batch'].groupby('micro_bs'):
             yield csv, int(mbs), pretrained, {bn: list(x.accuracy) for bn,x in g.groupby('bn')}
     for csv,pretrained in (('bn_precise_digits.csv', True), ('bn_precise_scratch.csv', False)):   # bench/bn_precise_study.py
-        df = pd.read_csv(ROOT/'docs'/csv)
+        df = pd.read_csv(ROOT/'docs'/'assets'/csv)
         df = df[df['mode'] != 'large']
         for (ep,mbs),g in df.groupby(['epochs', 'micro_bs']):
             yield f'{csv} {ep} epochs', int(mbs), pretrained, {m + ('+precise' if p else ''): list(x.accuracy) for (m,p),x in g.groupby(['mode', 'precise'])}
