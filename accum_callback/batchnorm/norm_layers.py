@@ -10,7 +10,7 @@ from ..compat.torch import BatchNormBase, foreach, module_dicts
 from ..core.args import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
-           'GroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm', 'set_norm_mode']
+           'ConvertedGroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm', 'set_norm_mode']
 
 def _real(v, name:str, lo:float)->float:
     if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
@@ -83,7 +83,7 @@ def bn_to_groupnorm(
     stats,single = [],[]
     def fn(bn, name):
         g = _groups(bn.num_features, num_groups)
-        gn = (GroupNormAct if _is_norm_act(bn) else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
+        gn = (ConvertedGroupNormAct if _is_norm_act(bn) else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
         if bn.affine: gn.weight,gn.bias = bn.weight,bn.bias
         _keep_act(bn, gn)
         gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
@@ -202,7 +202,9 @@ class BatchRenorm3d(BatchRenorm, nn.BatchNorm3d):
     "`BatchRenorm` for (N,C,D,H,W) input; an `nn.BatchNorm3d` to fastai"
     def _check_input_dim(self, x): nn.BatchNorm3d._check_input_dim(self, x)
 
-class GroupNormAct(_NormAct, nn.GroupNorm): "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+class ConvertedGroupNormAct(_NormAct, nn.GroupNorm):
+    "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer (timm's `GroupNormAct` is built otherwise)"
+GroupNormAct = ConvertedGroupNormAct   # (its 0.2 name, which timm's class of another constructor also has: pickles load)
 class BatchRenormAct(_NormAct, BatchRenorm): "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
 class BatchRenormAct2d(_NormAct, BatchRenorm2d): "`BatchRenorm2d` followed by the `drop` and `act` of a converted timm norm-act layer"
 
