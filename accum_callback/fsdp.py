@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from .batchnorm.callback import BatchNormAccumulation
 from .resume.format import from_plain, plain_state
 from .compat.torch import tree_map
-from .core.distributed import gloo_distributed_dl, is_fsdp, unwrap
+from .core.distributed import FSDPOptions, gloo_distributed_dl, is_fsdp, unwrap
 from .micro import copy_module
 
 __all__ = ['default_blocks', 'fsdp_full_state_dict', 'FSDPState']
@@ -64,6 +64,8 @@ def to_fsdp(self:Learner,
     blocks=None, # modules (or a function of the model giving them) to shard each on its own; default `default_blocks`
     mesh=None, # a `DeviceMesh`; default one dimension over every rank, on this rank's GPU or the CPU
     shard_data:bool=True, # cut the training and validation loaders per rank with fastai's `DistributedDL`
+    sharded_grads:bool=False, # accumulating: reduce-scatter every micro-batch so gradients stay sharded (1/world the memory, k rounds a window)
+    gathered_params:bool=False, # accumulating: keep parameters gathered through a window (one all-gather a window, not 1-2 a micro-batch)
     **kwargs # passed to `fully_shard` (e.g. `reshard_after_forward`, `mp_policy`)
 ):
     """Shard `learn.model` with FSDP2 block by block, then its root; rebuild the optimizer on the sharded parameters;
@@ -77,6 +79,7 @@ def to_fsdp(self:Learner,
     from torch.distributed.device_mesh import init_device_mesh
     from fastai.distributed import DistributedDL
     if getattr(self, 'fsdp_state', None) is not None: raise ValueError("to_fsdp: the Learner is sharded already")
+    opts = FSDPOptions(sharded_grads, gathered_params)   # (checked before anything is touched)
     own = _init_group()
     model = unwrap(self.model)
     if is_fsdp(model): raise ValueError("to_fsdp: the model is sharded already (by `fully_shard`); use it as it is")
@@ -95,6 +98,7 @@ def to_fsdp(self:Learner,
         if dist.get_backend() != 'nccl': st.dl_patch.enter_context(gloo_distributed_dl())
         self.dls.loaders = [dl if isinstance(dl, DistributedDL) else DistributedDL(dl) for dl in self.dls.loaders]
     self.create_opt()   # on the sharded (DTensor) parameters
+    self.fsdp_options = opts   # (what `GradientAccumulation` reads at fit start)
     return self.fsdp_checkpoints()
 
 @patch
@@ -132,7 +136,7 @@ def from_fsdp(self:Learner,
     self.model = _unsharded(st.template, obj[0], device or st.device)
     self.dls.loaders = st.dls_loaders
     st.dl_patch.close()
-    self.fsdp_state = None
+    self.fsdp_state = self.fsdp_options = None
     _fastai_checkpoints(self)
     self.create_opt()
     if st.own_group:
@@ -143,11 +147,11 @@ def from_fsdp(self:Learner,
 
 @patch
 @contextlib.contextmanager
-def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, **kwargs):
+def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, sharded_grads:bool=False, gathered_params:bool=False, **kwargs):
     """`to_fsdp` for the block, `from_fsdp` after it: fastai's `distrib_ctx`, with FSDP2. After an error the weights are
     not gathered (a gather is a collective, and the other ranks may still be training, or gone): the error is raised as
     it was, on the rank where it happened, with the loaders put back and the model left sharded"""
-    self.to_fsdp(blocks=blocks, mesh=mesh, shard_data=shard_data, **kwargs)
+    self.to_fsdp(blocks=blocks, mesh=mesh, shard_data=shard_data, sharded_grads=sharded_grads, gathered_params=gathered_params, **kwargs)
     try: yield self
     except BaseException:
         _leave_fsdp_locally(self)
@@ -160,7 +164,7 @@ def _leave_fsdp_locally(learn):
     if st is None: return
     learn.dls.loaders = st.dls_loaders
     st.dl_patch.close()
-    learn.fsdp_state = None
+    learn.fsdp_state = learn.fsdp_options = None
 
 # -- fastai's save / load / export under FSDP2 ------------------------------------------------------------------------------
 _fastai_save,_fastai_load,_fastai_export = Learner.save,Learner.load,Learner.export   # (read, never replaced)

@@ -23,7 +23,7 @@ from fastai.learner import Learner
 from fastai.optimizer import SGD
 
 from accum_callback import GradientAccumulation
-from accum_callback.core.distributed import count_collectives, fsdp_group_count, held_grad_bytes
+from accum_callback.core.distributed import FSDPOptions, count_collectives, fsdp_group_count, held_grad_bytes
 from common import launch_gloo, machine, mean_ci
 
 MODES = {'sync every micro-batch': dict(sharded_grads=True), 'one reduce-scatter a window': dict(),
@@ -54,8 +54,10 @@ def run(rank, world, n_step, bs, steps, hidden, repeats, seed=0):
             if isinstance(m, nn.Linear): fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
         dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=bs), DataLoader(TensorDataset(x[:bs], y[:bs]), bs=bs), device='cpu')
-        return Learner(dls, model, loss_func=F.mse_loss, opt_func=SGD, lr=1e-3,
-                       cbs=[NoValid(), HeldGrads(), GradientAccumulation(n_step=n_step, **kw)])
+        learn = Learner(dls, model, loss_func=F.mse_loss, opt_func=SGD, lr=1e-3,
+                        cbs=[NoValid(), HeldGrads(), GradientAccumulation(n_step=n_step)])
+        learn.fsdp_options = FSDPOptions(**kw)   # (sharded by hand: the Learner's FSDP2 options set directly)
+        return learn
     learns = {k: learner(kw) for k,kw in MODES.items()}
     times = {k: [] for k in MODES}
     counts = {}

@@ -120,6 +120,8 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
     ga = dict(ga or {})
     builtin = ga.pop('fastai_builtin', None)
+    # FSDP2's options: the Learner's (`learn.fsdp_options`), or with `old_spelling` given to GradientAccumulation as in 0.2
+    opts = {} if ga.pop('old_spelling', False) else {k: ga.pop(k) for k in ('sharded_grads', 'gathered_params') if k in ga}
     if tokens is not None: ga.setdefault('n_items', n_tokens)
     cbs = [Float64Run()] + ([FastaiGradientAccumulation(builtin)] if builtin else [GradientAccumulation(**ga)] if ga else [])
     if bn is not None:
@@ -139,6 +141,9 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     if fsdp:
         fsdp_shard(model, world_size, **(fsdp if isinstance(fsdp, dict) else {}))
         learn.create_opt()   # on the sharded (DTensor) parameters
+        if opts:
+            from accum_callback.core.distributed import FSDPOptions
+            learn.fsdp_options = FSDPOptions(**opts)
         stack = contextlib.ExitStack(); counter = FSDPCounter(stack.enter_context(count_collectives()), fsdp_group_count(model))
     else:
         # a tiny bucket cap: every parameter its own bucket, so the counts check "once per bucket", not just "once"

@@ -78,7 +78,7 @@ _REFUSED = {
     'MicroBatching, then micro_bs': (lambda: [MicroBatching(4), GradientAccumulation(n_step=2)], lambda: GradientAccumulation(n_step=2, micro_bs=2), 'MicroBatching` callbacks', False),
     "fastai's beside 'auto'":      (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: FastaiGA(8), 'fastai.callback.training.GradientAccumulation', False),
     'groupnorm on FSDP2':          (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: BatchNormAccumulation('groupnorm'), 'sharded with FSDP2', True),
-    'noise with sharded_grads':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2, sharded_grads=True)], lambda: GradientNoiseScale(), 'reduce-scattered at once', False),
+    'noise with sharded_grads':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: GradientNoiseScale(), 'reduce-scattered at once', False),   # (the Learner's FSDPOptions)
 }
 
 @pytest.mark.parametrize('case', list(_REFUSED))
@@ -97,6 +97,9 @@ def test_a_refused_fit_leaves_the_learner_as_it_was(case, monkeypatch):
     if case == 'noise with sharded_grads': monkeypatch.setattr(accum_callback.noise.scale, 'is_fsdp', lambda m: True)
     model = (lambda: _bn_model()) if bn else (lambda: None)
     learn = make_learner(make_data(24), 8, cbs=[*cbs, extra], model=model())
+    if case == 'noise with sharded_grads':
+        from accum_callback.core.distributed import FSDPOptions
+        learn.fsdp_options = FSDPOptions(sharded_grads=True)   # (as `learn.to_fsdp(sharded_grads=True)` sets it)
     before = _learner_state(learn)
     with pytest.raises(ValueError, match=match) as e: fit_quiet(learn, 1)
     assert _learner_state(learn) == before and not learn.lock.locked()
@@ -449,3 +452,23 @@ def test_no_host_synchronisation_in_a_micro_batch_that_does_not_step():
     ga = learn.gradient_accumulation
     assert ga.steps > 4 and sum(ga.window_micro) > 2*ga.steps   # windows of several micro-batches
     assert calls[0] == 0, where[:10]
+
+def test_fsdp_options_are_the_learners_and_0_2s_spelling_warns_and_still_acts():
+    """Issue 60: FSDP2's options (`sharded_grads`, `gathered_params`) belong to the Learner's FSDP2 set-up
+    (`learn.to_fsdp(...)`/`fsdp_ctx(...)` set `learn.fsdp_options`); given to `GradientAccumulation` as in 0.2 they
+    still act, over the Learner's, with one FutureWarning naming the new spelling. (Their effect on the collectives:
+    tests/test_distributed.py::test_fsdp_one_reduce_scatter_round_per_window)"""
+    from accum_callback.core.distributed import FSDPOptions
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        plain = GradientAccumulation(n_step=2)   # (no warning)
+    with pytest.warns(FutureWarning, match=r"learn\.to_fsdp\(sharded_grads=True\)") as rec: old = GradientAccumulation(n_step=2, sharded_grads=True)
+    assert len(rec) == 1
+    learn = make_learner(make_data(8), 4, cbs=[plain])
+    assert plain.sync.options_for(learn) == FSDPOptions()
+    learn.fsdp_options = FSDPOptions(gathered_params=True)
+    assert plain.sync.options_for(learn) == FSDPOptions(gathered_params=True)
+    assert old.sync.options_for(learn) == FSDPOptions(sharded_grads=True, gathered_params=True)   # (given wins, per option)
+    fit_quiet(learn, 1)
+    assert plain.sync.gathered_params and not plain.sync.sharded_grads   # (read at fit start)
+    with pytest.raises((TypeError, ValueError), match='sharded_grads'): FSDPOptions(sharded_grads='yes')

@@ -2,6 +2,7 @@
 reduce-scatters), window totals summed over ranks, SyncBatchNorm's global counts, FSDP2's held unsharded gradients;
 `count_allreduces` / `count_collectives` to check the rule, and fastai's DDP path on CPU (gloo)"""
 import contextlib, sys
+from dataclasses import dataclass
 
 import torch, torch.nn as nn
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .args import flag
 from ..compat.torch import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
-__all__ = ['SyncPolicy', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
+__all__ = ['SyncPolicy', 'FSDPOptions', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
            'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
            'set_resharding', 'zero_grads', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
@@ -80,15 +81,35 @@ def enter_no_sync(model):
 def exit_no_sync(ctx):
     if ctx is not None: ctx.__exit__(None, None, None)
 
+@dataclass
+class FSDPOptions:
+    """How a window meets FSDP2 (docs/distributed.md): `sharded_grads` reduce-scatters every micro-batch (gradients stay
+    sharded: 1/world the memory, k rounds a window); `gathered_params` keeps the parameters gathered from a window's
+    first forward to its last backward (one all-gather a window). `learn.to_fsdp(...)`/`learn.fsdp_ctx(...)` set them as
+    `learn.fsdp_options`; for a model sharded by hand, set `learn.fsdp_options = FSDPOptions(...)`"""
+    sharded_grads: bool = False
+    gathered_params: bool = False
+    def __post_init__(self):
+        self.sharded_grads,self.gathered_params = flag(self.sharded_grads, 'sharded_grads'),flag(self.gathered_params, 'gathered_params')
+
 class SyncPolicy:
     """How a window's gradients meet over the ranks (docs/distributed.md): a micro-batch that does not step accumulates
-    locally (DDP's `no_sync`, FSDP2's gradient sync off) and the one that steps reduces. FSDP2's options:
-    `sharded_grads` reduce-scatters every micro-batch (gradients stay sharded: 1/world the memory, k rounds a window);
-    `gathered_params` keeps the parameters gathered from a window's first forward to its last backward (one all-gather
-    a window). `manual` (the ranks retry micro-batches, `micro_bs='auto'`): none syncs, the window is all-reduced once
+    locally (DDP's `no_sync`, FSDP2's gradient sync off) and the one that steps reduces, as the Learner's `FSDPOptions`
+    say (`learn.fsdp_options`, read at fit start; `given`: options given to `GradientAccumulation` in 0.2's spelling,
+    which win). `manual` (the ranks retry micro-batches, `micro_bs='auto'`): none syncs, the window is all-reduced once
     the ranks agree"""
-    def __init__(self, sharded_grads:bool=False, gathered_params:bool=False):
-        self.sharded_grads,self.gathered_params = flag(sharded_grads, 'sharded_grads'),flag(gathered_params, 'gathered_params')
+    def __init__(self, **given):
+        self.given = {k: flag(v, k) for k,v in given.items() if v is not None}
+        self.options = FSDPOptions(**self.given)
+    def options_for(self, learn)->FSDPOptions:
+        "The options a fit of `learn` runs with: the Learner's `fsdp_options`, and those given here over them"
+        opts = getattr(learn, 'fsdp_options', None)
+        return FSDPOptions(**{**(vars(opts) if isinstance(opts, FSDPOptions) else {}), **self.given})
+    def fit_starts(self, learn): "A fit starts: its options"; self.options = self.options_for(learn)
+    @property
+    def sharded_grads(self)->bool: return self.options.sharded_grads
+    @property
+    def gathered_params(self)->bool: return self.options.gathered_params
 
     def micro_starts(self, model, action, manual:bool):
         "A micro-batch starts whose unit `action` closes the window ('step', 'drop') or not (None): the no-sync context to exit after its backward"

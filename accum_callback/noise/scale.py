@@ -135,8 +135,8 @@ class GradientNoiseScale(Callback):
                 raise ValueError(f"GradientNoiseScale.schedule(lo={sc.lo}): a window of at most the loader's batch ({bs} items) "
                                  "is one micro-batch, which is never measured, so the window would never grow: give `lo` "
                                  f"above {bs} items (e.g. lo={2*bs}), or leave it out (two micro-batches)")
-        if ga.sync.sharded_grads and is_fsdp(self.model):
-            raise ValueError("GradientNoiseScale under FSDP2 with `GradientAccumulation(sharded_grads=True)`: the first "
+        if ga.sync.options_for(self.learn).sharded_grads and is_fsdp(self.model):
+            raise ValueError("GradientNoiseScale under FSDP2 with `sharded_grads=True`: the first "
                              "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
                              "the default `sharded_grads=False`")
 

@@ -1,6 +1,5 @@
 "Exact gradient accumulation for fastai: every optimizer step gets the gradient one large batch of the same samples gives"
 from __future__ import annotations
-import math
 
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
@@ -9,7 +8,6 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
-from ..compat.torch import foreach
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
 from ..core.protocols import (BringsCallbacks, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner,
                     refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
@@ -47,8 +45,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         skip_nonfinite:bool=True, # drop a window in which any micro-batch gave a non-finite loss
         micro_bs:int|str|None=None, # cut every loader batch into micro-batches of this many items; 'auto': the fastest that fits (brings a `MicroBatching`)
         probe:bool=True, # micro_bs='auto' on a GPU: once settled, time the next smaller size too and keep the faster
-        sharded_grads:bool=False, # FSDP2: reduce-scatter every micro-batch so gradients stay sharded (1/world the memory, k rounds a window)
-        gathered_params:bool=False, # FSDP2: keep parameters gathered through a window (one all-gather a window, not 1-2 a micro-batch)
+        sharded_grads:bool|None=None, # 0.2's spelling of `learn.to_fsdp(sharded_grads=...)` (a FutureWarning): FSDP2's options are the Learner's
+        gathered_params:bool|None=None, # 0.2's spelling of `learn.to_fsdp(gathered_params=...)` (a FutureWarning)
         global_window:bool=False, # `target_bs` counts the samples of all ranks: each window the same samples on any number of processes
     ):
         if micro_bs is not None: check_micro_bs(micro_bs)
@@ -56,7 +54,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         self.count,self.n_acc = count,n_acc
         self.plan = WindowPlan(n_step, target_bs, n_acc, partial, cut=micro_bs is not None, count=count, global_window=global_window)
         self.n_items,self.skip_nonfinite = check_n_items(n_items),flag(skip_nonfinite, 'skip_nonfinite')
-        self.sync = SyncPolicy(sharded_grads, gathered_params)
+        self.sync = SyncPolicy(sharded_grads=sharded_grads, gathered_params=gathered_params)
+        if self.sync.given: moved_fsdp_options(self.sync.given)
         # `micro_bs`: the `MicroBatching` this one brings; it joins the Learner once made (`after_create`) or at fit start
         self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
         if self.companion is not None: self.companion.brought_by = self
@@ -88,6 +87,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         if in_inference(self.learn): return
         # ours and the other callbacks of ours, before anything is set up; a `MicroBatching` of `micro_bs` not on the
         # Learner yet joins for this fit (its `before_fit`, ordered before ours, now)
+        self.sync.fit_starts(self.learn)   # (FSDP2's options: the Learner's)
         self._joined = refuse_at_fit_start(self.learn, bring=self)
         self._new_fit = True   # the logs of the last fit are reset at its first training batch: they survive a `validate()`
         self.window.reset(); self.window.start_micro()
@@ -138,17 +138,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         if plan.clock.epoch != learn.epoch:   # the clock counts the epoch's windows over the loader's real batches
             real = self.mb.loader.dl if self.mb is not None and self.mb.loader is not None else (self._ahead.dl if self._ahead is not None else learn.dl)
             plan.start_epoch(learn, real, w.n_units if self.mb is not None else w.n_micro, w.n_samples, ddp)
-        if plan.dealt is not None: action = plan.dealt_unit(learn, w, self.padding)   # `global_window` on several processes: micro-batches dealt
-        elif p is None:   # a micro-batch is a loader batch: decide at each
-            if not w.n_micro: w.target = plan.window_starts(learn)
-            last = self._ahead.last if self._ahead is not None else learn.iter == learn.n_iter-1
-            action = plan.decide(learn, w.target, bs, w.n_micro, w.n_samples, last, ddp)
-        else:   # `micro_bs`: decide once per loader batch (a retried micro-batch keeps it); its last micro-batch acts
-            if plan.decided != p.serial:
-                if not w.n_units: w.target = plan.window_starts(learn)
-                w.unit_action = plan.decide(learn, w.target, p.batch_n, w.n_units, w.n_samples, p.last_batch, ddp)
-                w.n_units += 1; plan.decided = p.serial
-            action = w.unit_action if p.last_piece else None
+        last = self._ahead.last if self._ahead is not None else learn.iter == learn.n_iter-1
+        action = plan.next_unit(learn, w, p, last, bs, ddp, self.padding)
         w.start_micro(bs, action)
         w.no_sync = self.sync.micro_starts(learn.model, action, self._ranks_retry())
 
@@ -181,12 +172,12 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         # needs a `step` first) does not run; their gradients are zeroed here.
         if not w.n_micro: self._close(False); raise CancelBatchException()   # every backward was cancelled
         items,loss_sum = sum_over_ranks([w.items, w.loss_sum], learn.model)   # the one host synchronisation a window
-        if w.action == 'drop': self.n_dropped += 1; self._close(False); raise CancelBatchException()
-        if not (items > 0 and math.isfinite(loss_sum)):
-            if self.skip_nonfinite or items <= 0: self.n_skipped += 1; self._close(False); raise CancelBatchException()
-        scale = w.step_scale(items, self.sync.reduce(learn.model, opt, self._ranks_retry()))
-        grads = [p.grad for p,*_ in opt.all_params(with_grad=True)]
-        if grads and scale != 1.: foreach('mul_')(grads, scale)
+        verdict = w.verdict(items, loss_sum, self.skip_nonfinite)
+        if verdict != 'step':
+            if verdict == 'drop': self.n_dropped += 1
+            else: self.n_skipped += 1
+            self._close(False); raise CancelBatchException()
+        w.scale_grads([p.grad for p,*_ in opt.all_params(with_grad=True)], items, self.sync.reduce(learn.model, opt, self._ranks_retry()))
         w.hypers = self.plan.step_hypers(w, self.mb is not None, learn.dls.train.bs if is_distributed(learn.model) else None, opt)
         w.use_hypers(opt)
         w.stepping(items, loss_sum)
@@ -234,6 +225,15 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         else: w.reset()
 
     def _ranks_retry(self)->bool: "micro_bs='auto' under DDP: the ranks agree on every retry"; return self.mb is not None and self.mb.manual_sync
+
+def moved_fsdp_options(given:dict):
+    "Said once a construction: FSDP2's options given to `GradientAccumulation` (0.2) belong to the Learner's FSDP2 set-up now"
+    import warnings
+    args = ', '.join(f'{k}={v}' for k,v in given.items())
+    warnings.warn(f"GradientAccumulation({args}): FSDP2's options are the Learner's since 0.3: pass them to "
+                  f"`learn.to_fsdp({args})` or `learn.fsdp_ctx({args})` (a model sharded by hand: "
+                  f"`learn.fsdp_options = FSDPOptions({args})`, from accum_callback.core.distributed); this spelling "
+                  "goes in a later release", FutureWarning, stacklevel=3)
 
 @patch
 def accumulate(self:Learner,

@@ -69,6 +69,21 @@ class WindowPlan:
         if w.n_units <= pad: padding.start(learn.model)
         return 'step' if w.n_units == per else None
 
+    def next_unit(self, learn, w, piece, last:bool, bs:int, ddp:bool, padding)->str|None:
+        """The action of the micro-batch starting in window `w`: 'step' or 'drop' where it closes the window, else None.
+        A micro-batch is a loader batch (`piece` None: `last`, is it the epoch's last), a piece of one (`micro_bs`: the
+        loader batch decides once, a retried piece keeps it, its last piece acts) or a dealt one (`global_window` on
+        several processes: from the layout, `padding` started where it is one)"""
+        if self.dealt is not None: return self.dealt_unit(learn, w, padding)
+        if piece is None:
+            if not w.n_micro: w.target = self.window_starts(learn)
+            return self.decide(learn, w.target, bs, w.n_micro, w.n_samples, last, ddp)
+        if self.decided != piece.serial:
+            if not w.n_units: w.target = self.window_starts(learn)
+            w.unit_action = self.decide(learn, w.target, piece.batch_n, w.n_units, w.n_samples, piece.last_batch, ddp)
+            w.n_units += 1; self.decided = piece.serial
+        return w.unit_action if piece.last_piece else None
+
     def micro_batches(self, window, bs:int|None, mb=None)->int:
         "Micro-batches a full window takes now: its units at loader batch size `bs`, each cut by `mb` (`MicroBatching`) where it cuts"
         bs = bs or window.bs or 1   # (a loader of ready-made batches has no bs)
@@ -83,7 +98,7 @@ class WindowPlan:
         return decide(b, units, seen, target, self.by_items, last, self.partial, learn.epoch >= learn.n_epoch-1)
 
     def start_epoch(self, learn, dl, units:int, seen:int, ddp:bool):
-        "An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows"
+        "An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows (once an epoch: `clock.epoch`)"
         sizes = (batch_sizes(self.dealt.dl) if self.dealt is not None else   # (dealt: one process's loader, whose windows the clock counts)
                  [learn.dls.train.bs*self.ranks]*len(batch_sizes(dl)) if ddp else batch_sizes(dl))
         self.clock.start_epoch(learn.epoch, learn.n_epoch, sizes, self.sched, self.by_items, self.partial, units, seen)

@@ -28,11 +28,12 @@ A micro-batch's phase (`Phase`), set by `GradientAccumulation`'s events:
 `action`, decided at the micro-batch's start, is what it does to the window: 'step' or 'drop' it (the micro-batch
 closes it) or None (the window stays open)."""
 from __future__ import annotations
-import enum
+import enum, math
 from typing import NamedTuple
 
 import torch
 
+from ..compat.torch import foreach
 from ..core.distributed import exit_no_sync
 
 __all__ = ['Window', 'Phase', 'StepRecord']
@@ -118,6 +119,24 @@ class Window:
         if self.summed: self.loss_sum = self.loss_sum + loss
         elif isinstance(n, torch.Tensor): self.loss_sum = self.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
         elif n > 0: self.loss_sum = self.loss_sum + loss*n
+
+    def verdict(self, items, loss_sum, skip_nonfinite:bool=True)->str:
+        """What the closing window does, from every rank's `items` and item-weighted `loss_sum`: 'drop' (its unit's action),
+        'skip' (no item, or a non-finite loss where `skip_nonfinite`), or 'step'. With `skip_nonfinite=False` a
+        non-finite loss steps (the user asked for it); a window of no item never does
+
+        >>> w = Window(); w.action = 'step'
+        >>> w.verdict(8, 3.5), w.verdict(0, 0.), w.verdict(8, float('nan')), w.verdict(8, float('nan'), skip_nonfinite=False)
+        ('step', 'skip', 'skip', 'step')
+        """
+        if self.action == 'drop': return 'drop'
+        bad = not (items > 0 and math.isfinite(loss_sum))
+        return 'skip' if bad and (skip_nonfinite or items <= 0) else 'step'
+
+    def scale_grads(self, grads:list, items, world:int=1):
+        "The window's gradients `grads` (`items` over every rank, averaged over `world` ranks by DDP) scaled in place to the large batch's (`step_scale`)"
+        scale = self.step_scale(items, world)
+        if grads and scale != 1.: foreach('mul_')(grads, scale)
 
     # -- the micro-batch in progress ------------------------------------------------------------------------------------
     def start_micro(self, bs:int=0, action=None):
