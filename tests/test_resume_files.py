@@ -71,14 +71,12 @@ def _at(o, path):
 
 # each: (the tag it damages, how), as issue 61 found them
 MALFORMED = {
-    'enum value that does not exist': ('enum', lambda d: d.update(value='no such phase')),
     "'tensor' tag holding no tensor": ('ndarray', lambda d: d.update({TAG: 'tensor', 'type': 'fastai.torch_core.TensorBase', 'value': [1, 2]})),
     'ndarray without a shape': ('ndarray', lambda d: d.pop('shape')),
     'ndarray of the wrong shape': ('ndarray', lambda d: d.update(shape=[3, 5])),
     'ndarray of an unknown dtype': ('ndarray', lambda d: d.update(dtype='float1024')),
     'ndarray of a 500 MB string dtype': ('ndarray', lambda d: d.update(dtype='U125000000', shape=[1], value=[0])),
     'ndarray of objects': ('ndarray', lambda d: d.update(dtype='O')),
-    'record with a missing field': ('tuple', lambda d: d['value'].pop()),
     "'L' tag that is not a list": ('ndarray', lambda d: d.update({TAG: 'L', 'value': 7})),
     'unknown tag': ('ndarray', lambda d: d.update({TAG: 'pickle'})),
 }
@@ -109,7 +107,37 @@ STRUCTURES = {
     "a callback's state malformed": lambda st: {**st, 'callbacks': {k: {'window': 3} for k in st['callbacks']}},
     'the Recorder malformed': lambda st: {**st, 'recorder': {'smooth': 1}},
     'a key the Recorder does not declare': lambda st: {**st, 'recorder': {**st['recorder'], 'after_batch': torch.zeros(1)}},
+    "the window's phase unknown": lambda st: _window(st, phase='no such phase'),
+    "a step record with a missing field": lambda st: _window(st, record=[4, 4.0, 1.0]),
 }
+
+def _window(st, **change):
+    "The plain state `st` with its window's fields changed (the window's state is plain: its phase a string, its record a list)"
+    ga = next(k for k in st['callbacks'] if 'gradient' in k)
+    w = {**st['callbacks'][ga]['window'], **change}
+    return {**st, 'callbacks': {**st['callbacks'], ga: {**st['callbacks'][ga], 'window': w}}}
+
+def test_0_2s_tagged_phase_and_record_are_read_plain_and_a_malformed_one_is_passed_over(tmp_path, from_the_older):
+    """Issue 60: the file format knows plain types only (it named the window's `Phase` and `StepRecord`); 0.2's files tag
+    them by type name, and are read back as their value and list, which the window takes: such a newest is resumed. A
+    malformed one (a phase that is no string) is refused naming it, and passed over to the one before"""
+    files = _interrupted(tmp_path/'ck')
+    st = _plain(files[-1])
+    ga = next(k for k in st['callbacks'] if 'gradient' in k)
+    w = st['callbacks'][ga]['window']
+    assert isinstance(w['phase'], str) and TAG not in str(st['callbacks'][ga])   # (written plain now)
+    legacy = _window(st, phase={TAG: 'enum', 'type': 'accum_callback.window.Phase', 'value': w['phase']},
+                     record={TAG: 'tuple', 'type': 'accum_callback.window.StepRecord', 'value': [4, 4.0, 1.0, 2]})
+    _frame(files[-1], legacy)
+    assert read_checkpoint(files[-1])['callbacks'][ga]['window']['phase'] == w['phase']
+    cb,_,said = _resume(tmp_path/'ck')
+    assert cb.resumed_from == files[-1] and not [s for s in said if 'passed over' in s], said
+    files = _interrupted(tmp_path/'ck2')
+    _frame(files[-1], _window(_plain(files[-1]), phase={TAG: 'enum', 'type': 'accum_callback.window.Phase', 'value': 5}))
+    with pytest.raises(CheckpointError, match='no phase'): read_checkpoint(files[-1])
+    cb,w2,said = _resume(tmp_path/'ck2')
+    assert cb.resumed_from == files[0] and all(torch.equal(a, b) for a,b in zip(w2, from_the_older))
+    assert len([s for s in said if 'passed over' in s]) == 1, said
 
 @pytest.mark.parametrize('case', list(STRUCTURES))
 def test_a_newest_of_another_structure_is_passed_over(tmp_path, case, from_the_older):

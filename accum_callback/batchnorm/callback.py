@@ -13,7 +13,7 @@ from ..compat.torch import is_compiled
 from ..micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
-from ..core.protocols import CANCELS, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.protocols import CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
 from .pool import PooledStats, RecomputeGuard, accumulated_momentum, pooled_mean_var   # (re-exported)
@@ -161,7 +161,7 @@ PRECISE_AT = ('epoch', 'end')   # when `precise` recomputes the statistics
 
 # -- the callback -----------------------------------------------------------------------------------------------------
 @one_per_learner("(Each would convert, freeze or pool the same layers.)")
-class BatchNormAccumulation(Callback, RunningStatsPolicy):
+class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     """Make BatchNorm behave under gradient accumulation. `mode` (one of `BN_MODES`):
     'pool': one running-statistics update per optimizer step, from the statistics pooled over every micro-batch of the
       window: the running statistics one large batch of the same samples leaves. The forward still normalises each
@@ -301,6 +301,8 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy):
         if self.active is not None: self.active.before_backward()
     def after_backward(self):
         if self.active is not None: self.active.after_backward()
+    resume_keys = ('BatchNorm mode',)
+    def resume_signature(self)->dict: "A resume must treat BatchNorm as this fit does"; return {'BatchNorm mode': self.mode}
     def keeps_running_stats(self)->bool: "'freeze' leaves the running statistics as they are"; return self.mode == 'freeze'
     def pools_over_ranks(self)->bool: "'pool' pools a `global_window` run's window over all ranks (`PooledStats.over_ranks`)"; return self.mode == 'pool'
 

@@ -12,10 +12,10 @@ import torch, torch.nn as nn
 import torch.distributed as dist
 from fastai.torch_core import find_bs, to_device
 
-from ..compat.torch import rng_states, rngs_kept, set_rng_states, BatchNormBase, run_eagerly   # (rngs_kept, rng_states re-exported)
+from ..compat.torch import rng_states, rngs_kept, set_rng_states, run_eagerly   # (rngs_kept, rng_states re-exported)
 from ..core.distributed import is_distributed, process_count, process_rank
 from ..window.global_window import deal_share
-from ..core.protocols import RunningStatsPolicy
+from ..core.protocols import bn_layers_with_stats, trained_bn_layers   # (re-exported: their home before 0.3)
 from ..core.loaders import model_device
 from ..micro.loader import loader_pieces
 from ..micro.pieces import piece_bounds, slice_batch
@@ -70,24 +70,6 @@ class PopulationStats:
     def var(self)->torch.Tensor:
         "The unbiased variance (what BatchNorm keeps as `running_var`)"
         return self.m2/max(self.n-1, 1)
-
-def bn_layers_with_stats(model:nn.Module)->list:
-    "The BatchNorm layers (Batch Renorm's included) that keep running statistics"
-    return [m for m in model.modules() if isinstance(m, BatchNormBase) and m.running_mean is not None]
-
-def trained_bn_layers(model:nn.Module, learn=None)->list:
-    """The BatchNorm layers whose running statistics training updates: in a model in training mode, those in training
-    mode (a layer frozen in eval, by fastai's `BnFreeze` or by hand, keeps its statistics); in a model in eval mode (after
-    fit), those training would put in training mode: all, but for what `learn`'s `BnFreeze` (a layer whose parameters
-    do not train) or `BatchNormAccumulation('freeze')` freezes"""
-    bns = bn_layers_with_stats(model)
-    if model.training: return [bn for bn in bns if bn.training]
-    if learn is None: return bns
-    from fastai.callback.training import BnFreeze
-    if any(isinstance(cb, RunningStatsPolicy) and cb.keeps_running_stats() for cb in learn.cbs): return []
-    if any(isinstance(cb, BnFreeze) for cb in learn.cbs):
-        return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False)) or not list(bn.parameters(recurse=False))]
-    return bns
 
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)   # exactly these: their running update is torch's own
 

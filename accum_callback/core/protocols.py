@@ -2,14 +2,15 @@
 clean-up when an exception leaves `fit`, and telling a fit from inference"""
 from __future__ import annotations
 
+import torch.nn as nn
 from fastai.callback.core import CancelEpochException, CancelFitException
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
+from fastai.callback.training import BnFreeze, GradientAccumulation as FastaiGradientAccumulation
 
-from ..compat.torch import compiled_with_cuda_graphs
+from ..compat.torch import BatchNormBase, compiled_with_cuda_graphs
 from ..compat.fastai import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
-__all__ = ['StopSignals', 'WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['StopSignals', 'WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
@@ -50,9 +51,47 @@ def _orphans(learn)->list:
 
 class RunningStatsPolicy:
     """Declared by a callback that decides whether training updates BatchNorm's running statistics
-    (`BatchNormAccumulation`): `precise.trained_bn_layers` finds it by this class"""
+    (`BatchNormAccumulation`): `trained_bn_layers` finds it by this class, and so does what reads the layers training
+    updates without naming BatchNorm's callback (resuming on another number of processes)"""
     def keeps_running_stats(self)->bool: "Does training leave the running statistics as they are ('freeze')?"; return False
     def pools_over_ranks(self)->bool: "In a `global_window` run, are they pooled over every rank's part of each window ('pool')?"; return False
+
+def bn_layers_with_stats(model:nn.Module)->list:
+    "The BatchNorm layers (Batch Renorm's included) that keep running statistics"
+    return [m for m in model.modules() if isinstance(m, BatchNormBase) and m.running_mean is not None]
+
+def trained_bn_layers(model:nn.Module, learn=None)->list:
+    """The BatchNorm layers whose running statistics training updates: in a model in training mode, those in training
+    mode (a layer frozen in eval, by fastai's `BnFreeze` or by hand, keeps its statistics); in a model in eval mode (after
+    fit), those training would put in training mode: all, but for what `learn`'s `BnFreeze` (a layer whose parameters
+    do not train) or `BatchNormAccumulation('freeze')` freezes"""
+    bns = bn_layers_with_stats(model)
+    if model.training: return [bn for bn in bns if bn.training]
+    if learn is None: return bns
+    if any(isinstance(cb, RunningStatsPolicy) and cb.keeps_running_stats() for cb in learn.cbs): return []
+    if any(isinstance(cb, BnFreeze) for cb in learn.cbs):
+        return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False)) or not list(bn.parameters(recurse=False))]
+    return bns
+
+class ResumeSignature:
+    """Declared by a callback whose settings a resumed fit must match to continue exactly (`Checkpoint` names none of
+    them): `resume_keys` names them, `resume_signature()` gives their values, each named where it differs at resume.
+    Every declared key is in a fit's signature, None where no such callback is on the Learner"""
+    resume_keys:tuple = ()
+    _declared:list = []   # every class that declares (subclasses included), in import order
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        ResumeSignature._declared.append(cls)
+    def resume_signature(self)->dict: return {}
+
+def resume_keys()->list: "Every declared key (`ResumeSignature`)"; return list(dict.fromkeys(k for c in ResumeSignature._declared for k in c.resume_keys))
+
+def resume_signatures(learn)->dict:
+    "`{key: value}` of every declared key: the callbacks' on `learn`, None for the others"
+    out = dict.fromkeys(resume_keys())
+    for cb in learn.cbs:
+        if isinstance(cb, ResumeSignature): out.update(cb.resume_signature())
+    return out
 
 def in_inference(learn)->bool:
     """Is `learn` inside `validate`/`get_preds`/`predict`/`tta` rather than a training `fit`? fastai sends `before_fit`

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..core.protocols import CANCELS, Companion, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.protocols import CANCELS, Companion, ResumeSignature, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -28,7 +28,7 @@ def check_micro_bs(micro_bs, name:str='micro_bs'):
     except NotWholeNumber: raise NotWholeNumber(f"`{name}` must be a whole number >= 1 or 'auto', got {micro_bs!r}") from None
 
 @one_per_learner("`GradientAccumulation(micro_bs=...)` adds one: give the size there, or add `MicroBatching` yourself.")
-class MicroBatching(Callback, Companion):
+class MicroBatching(Callback, Companion, ResumeSignature):
     """Cut every training batch into near-equal micro-batches of at most `size` items, or under `'auto'` of the largest
     size that fits (the loader's batch first, halved after each out-of-memory error, the same samples run again; on a
     GPU the next smaller size is timed once and the faster kept). Under 'auto' an inference batch whose forward or loss
@@ -53,6 +53,8 @@ class MicroBatching(Callback, Companion):
         self.trials,self.loader,self.rows,self.inference,self.snapshot = {},None,RowStates([]),InferenceCutter(),None
         self._probe,self._serial,self._sync_bn_checked,self.agreed,self._listeners = None,0,False,False,Listeners()
 
+    resume_keys = ('micro_bs',)
+    def resume_signature(self)->dict: "A resume must cut as this fit does"; return {'micro_bs': self.mode}
     @property
     def auto(self)->bool: return self.mode == 'auto'
     @property

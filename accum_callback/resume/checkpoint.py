@@ -189,7 +189,7 @@ class Checkpoint(Callback):
     def signature(self)->dict:
         """What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs):
         taken once a fit (nothing in it changes within one; every checkpoint holds it), read-only"""
-        if getattr(self, '_sig', None) is None: self._sig = json_normal(fit_signature(self.learn, self._ga(), self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
+        if getattr(self, '_sig', None) is None: self._sig = json_normal(fit_signature(self.learn, self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
         return self._sig
 
     def _snapshot(self, where:str, whole:bool)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)

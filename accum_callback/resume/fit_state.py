@@ -13,18 +13,19 @@ from fastai.torch_core import to_device
 from .format import CheckpointError, reshard
 from ..compat.torch import local_tensor, rng_states, set_rng_states
 from ..core.distributed import unwrap
+from ..core.protocols import resume_keys, resume_signatures
 from ..compat.fastai import train_metrics
-from ..micro import stateful_modules
+from ..micro.state import stateful_modules
 
 _RECORDER_KEYS = ('lrs', 'iters', 'losses', 'values')
 
-__all__ = ['refuse_changes', 'training_state', 'apply_training_state', 'check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'settle_loaders', 'loader_orders',
+__all__ = ['refuse_changes', 'signature_changes', 'training_state', 'apply_training_state', 'check_fit_state', 'fit_signature', 'data_identity', 'callback_states', 'fit_arguments', 'carried_state', 'load_carried_state', 'loader_rngs', 'set_loader_rngs', 'settle_loaders', 'loader_orders',
            'set_loader_orders', 'restore_recorder', 'recorder_state', 'plain_numbers']
 
 def refuse_changes(old:dict, new:dict, f, strict:bool=True):
     """A resume of the checkpoint `f`, whose fit's signature was `old`, where it is `new` now: refused naming what
     changed (`strict`), or said in a warning; a model of other shapes is refused whatever `strict` says"""
-    changed = [k for k in old if old.get(k) != new.get(k)]
+    changed = signature_changes(old, new)
     if not changed: return
     if 'model' in changed:
         raise CheckpointError(f"Checkpoint: {f} is of a model of other shapes; start afresh with "
@@ -34,6 +35,12 @@ def refuse_changes(old:dict, new:dict, f, strict:bool=True):
         raise CheckpointError(f"Checkpoint: cannot resume {f} exactly, {what}. Run the fit as it was, "
                               "start afresh with Checkpoint(..., resume=False), or accept it with strict=False")
     warnings.warn(f"Checkpoint: resuming {f} with {what} (strict=False): not the run it would have been", stacklevel=4)
+
+def signature_changes(old:dict, new:dict)->list:
+    """The keys whose values differ between a checkpoint's signature `old` and this fit's `new`: every key `old` holds
+    (one it lacks, from an older file, is not asked of it), and a declared one (`ResumeSignature`) it lacks but set now"""
+    keys = set(resume_keys())
+    return [k for k in old if old.get(k) != new.get(k)] + [k for k in new if k not in old and k in keys and new[k] is not None]
 
 def _scaler(learn):
     mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
@@ -234,7 +241,7 @@ def check_fit_state(st, learn, skip, where:str='the checkpoint', now:dict|None=N
     need(st.get('where') in ('mid', 'end', 'done'), f"'where' is {st.get('where')!r}")
     for k in ('world', 'epoch', 'k'): need(type(st.get(k)) is int and st[k] >= 0, f'{k!r} is {st.get(k)!r}')
     need(isinstance(st.get('signature'), dict) and type(st['signature'].get('fit')) is int, 'its signature is malformed')
-    if now is not None and any(v != now.get(k) for k,v in st['signature'].items() if k != 'FSDP2'): return
+    if now is not None and any(k != 'FSDP2' for k in signature_changes(st['signature'], now)): return
     # (a tensor fits as this rank's shard or whole: a file of another layout is refused by the resume, naming it)
     shape = lambda t: {tuple(local_tensor(t).shape), tuple(t.shape)}
     model,sd = st.get('model'),unwrap(learn.model).state_dict()
@@ -304,17 +311,12 @@ def _check_opt(saved, opt, need, shape, sharded:bool):
             need(ok, f"the optimizer's state {k!r} does not fit its parameter")
 
 # -- what a resumed fit must share with the checkpoint's ------------------------------------------------------------------
-def fit_signature(learn, ga, n_fit:int, fit_args:dict, loader:dict)->dict:
+def fit_signature(learn, n_fit:int, fit_args:dict, loader:dict)->dict:
     """What a resumed fit must share with the checkpoint's to continue it exactly (each is named where it differs): the
-    fit's number in the session, its epochs, the processes and the loader (`loader`: `elastic.loader_signature`'s), the
-    data, the window, the callbacks' modes, the model's shapes, the fit's arguments"""
-    from ..batchnorm.callback import BatchNormAccumulation
-    from ..micro import MicroBatching
-    mb = next((cb for cb in learn.cbs if isinstance(cb, MicroBatching)), None)
-    bna = next((cb for cb in learn.cbs if isinstance(cb, BatchNormAccumulation)), None)
-    return {'fit': n_fit, 'n_epoch': learn.n_epoch, **loader, 'data': data_identity(learn.dls.train),
-            'window': repr(ga.plan.sched) + f", partial={ga.plan.partial!r}" if ga is not None else None,
-            'micro_bs': (mb.mode if mb is not None else None), 'BatchNorm mode': bna.mode if bna is not None else None,
+    fit's number in the session, its epochs, the processes and the loader (`loader`: `world_size.loader_signature`'s),
+    the data, what the callbacks declare (`ResumeSignature`: the window, the micro-batches, BatchNorm's mode), the
+    model's shapes, the fit's arguments"""
+    return {'fit': n_fit, 'n_epoch': learn.n_epoch, **loader, 'data': data_identity(learn.dls.train), **resume_signatures(learn),
             'model': [(k, tuple(v.shape)) for k,v in unwrap(learn.model).state_dict().items()], **fit_args}
 
 def _fingerprint_bytes(x)->bytes:

@@ -11,7 +11,6 @@ import torch
 from fastcore.foundation import L
 
 from ..core.files import atomic_write
-from ..window.state import Phase, StepRecord
 
 __all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
            'is_rank_shard']
@@ -27,11 +26,12 @@ class UnsafeCheckpoint(CheckpointError):
 
 # -- what a checkpoint may hold: read back with `torch.load(weights_only=True)`, so that a file runs no code ------------
 # Tensors, numbers, strings, bytes and plain containers go as they are; the few other types the state holds are
-# written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`,
-# and the package's own enums and named tuples (the window's phase and step records), by name from this table only.
+# written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`.
+# The package's own state is plain already (each piece's `state_dict()`: the window's phase as its value).
 _TAG = '__accum_callback__'
-_OWN_TYPES = {'accum_callback.window.Phase': Phase, 'accum_callback.window.StepRecord': StepRecord}   # (the names files hold: 0.2's)
-_OWN_NAMES = {c: n for n,c in _OWN_TYPES.items()}
+# 0.2's files tag the window's phase and step record ('enum', 'tuple'): read back as their plain value and list, which
+# the window takes (the format knows plain types only)
+_LEGACY_TYPES = {'enum': ('accum_callback.window.Phase',), 'tuple': ('accum_callback.window.StepRecord',)}
 
 _PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
@@ -89,9 +89,6 @@ def _plain(o, copy:bool):
                            "hold: give a plain tensor")
         v = o.detach().as_subclass(torch.Tensor)
         return {_TAG: 'tensor', 'type': name, 'value': v.clone() if copy else v}
-    if t in _OWN_NAMES:
-        if isinstance(o, enum.Enum): return {_TAG: 'enum', 'type': _OWN_NAMES[t], 'value': o.value}
-        return {_TAG: 'tuple', 'type': _OWN_NAMES[t], 'value': [_plain(v, copy) for v in o]}
     if isinstance(o, np.ndarray):   # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
         fits = o.dtype.kind in 'bif' or (o.dtype.kind == 'u' and o.dtype.itemsize < 8)
         value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f' else np.int64).ravel()) if fits else o.ravel().tolist()
@@ -177,16 +174,13 @@ def from_plain(o):
             cls = _fastai_tensor(o.get('type'))
             if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
             return _field(o, 'value', torch.Tensor, 'tensor').as_subclass(cls)
-        if tag not in ('enum', 'tuple'): raise CheckpointError(f"a checkpoint holds an unknown tag {tag!r}")
-        cls = _OWN_TYPES.get(o.get('type'))
-        if cls is None: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
+        if tag not in _LEGACY_TYPES: raise CheckpointError(f"a checkpoint holds an unknown tag {tag!r}")
+        if o.get('type') not in _LEGACY_TYPES[tag]: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
         if tag == 'enum':
-            try: return cls(o.get('value'))
-            except (ValueError, TypeError): raise CheckpointError(f"a checkpoint holds {o.get('value')!r}, which is no {cls.__name__}") from None
-        fields = _field(o, 'value', list, cls.__name__)
-        if not issubclass(cls, tuple) or len(fields) != len(cls._fields):
-            raise CheckpointError(f"a checkpoint's {cls.__name__} has {len(fields)} fields, not {len(getattr(cls, '_fields', ()))}")
-        return cls(*[from_plain(v) for v in fields])
+            v = o.get('value')
+            if not isinstance(v, str): raise CheckpointError(f"a checkpoint holds {v!r}, which is no phase")
+            return v
+        return [from_plain(v) for v in _field(o, 'value', list, 'StepRecord')]
     if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v) for v in o)
     return o
 

@@ -15,8 +15,7 @@ from ..compat.torch import rng_states
 from ..core.distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
 from ..window.global_window import global_samples, rank_batches, window_ends
-from ..core.protocols import RunningStatsPolicy
-from ..batchnorm.precise import trained_bn_layers
+from ..core.protocols import RunningStatsPolicy, trained_bn_layers
 
 __all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world', 'say_what_differs', 'RankDraws']
 

@@ -9,7 +9,7 @@ from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
-from ..core.protocols import (BringsCallbacks, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner,
+from ..core.protocols import (BringsCallbacks, Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
                     refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
 from ..micro import MicroBatching, check_micro_bs, micro_batching
@@ -25,7 +25,7 @@ from .log import WindowLog
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
-class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
+class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignature, WindowLog):
     """Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window.
     An adapter from fastai's events to the window (`window.Window`: the rule), its plan (`plan.WindowPlan`: size, clock,
     learning-rate gain), the ranks' sync (`distributed.SyncPolicy`) and its log (`window_log.WindowLog`)"""
@@ -64,6 +64,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, WindowLog):
         self._ahead,self.window,self.padding = None,Window(),Padding()   # the training loader read ahead; the window in progress; a padding micro-batch
         self.reset_logs()
 
+    resume_keys = ('window',)
+    def resume_signature(self)->dict: "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
     def companions(self)->list: "The `MicroBatching` of `micro_bs`"; return [self.companion] if self.companion is not None else []
     def after_create(self): self.learn.add_cbs([c for c in self.companions() if c not in self.learn.cbs])   # `Learner(cbs=...)`
 

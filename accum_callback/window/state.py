@@ -74,10 +74,15 @@ class Window:
     def __init__(self): self.hypers_now = self.no_sync = None; self.reset(); self.start_micro(); self.phase = Phase.IDLE
 
     def state_dict(self)->dict:
-        "The window in progress, for a checkpoint between micro-batches (not its open no-sync context or swapped hyper-parameters)"
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ('no_sync', 'hypers_now')}
+        """The window in progress, for a checkpoint between micro-batches (not its open no-sync context or swapped
+        hyper-parameters), in plain types: the phase as its value, the step's record as a list"""
+        sd = {k: getattr(self, k) for k in self.__slots__ if k not in ('no_sync', 'hypers_now')}
+        return dict(sd, phase=self.phase.value, record=None if self.record is None else list(self.record))
     def load_state_dict(self, sd:dict):
         "`ValueError` naming the first field that is missing, unknown or not of its type (nothing is set then)"
+        sd = dict(sd)
+        if isinstance(sd.get('phase'), str) and sd['phase'] in {p.value for p in Phase}: sd['phase'] = Phase(sd['phase'])
+        if type(sd.get('record')) in (list, tuple) and len(sd['record']) == len(StepRecord._fields): sd['record'] = StepRecord(*sd['record'])
         bad = next((k for k in sorted(set(sd) | set(_FIELDS)) if k not in _FIELDS or k not in sd or not _fits(sd[k], _FIELDS[k])), None)
         if bad is not None: raise ValueError(f"a window's state holds {bad!r} = {sd.get(bad)!r:.80}: not a window this package wrote")
         for k,v in sd.items(): setattr(self, k, v)
