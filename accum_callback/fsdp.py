@@ -4,7 +4,7 @@ shard: set on that Learner by `to_fsdp` (or `learn.fsdp_checkpoints()` for a mod
 `Learner` class, whose methods stay fastai's.
 
 `GradientAccumulation` accumulates under FSDP2 whoever sharded the model (one reduce-scatter per window; see
-`accumulate.py` and `distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
+`window/accumulate.py` and `core/distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
 optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the checkpoints."""
 from __future__ import annotations
 import contextlib, copy, functools, gc, os, pickle, types, warnings

@@ -232,7 +232,7 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
     def refuse_fit(self):
-        "What this fit is refused for (`guard.refuse_at_fit_start`): no windows to read, a conversion of a sharded model"
+        "What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to read, a conversion of a sharded model"
         mode = MODES[self.mode]
         if mode.needs_windows and not any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
             other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)

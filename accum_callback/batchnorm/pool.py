@@ -1,7 +1,7 @@
 """BatchNorm's running statistics under accumulation, the estimator and its hooks: the momentum rule
 (`accumulated_momentum`), the pooled statistics of a window's micro-batches ('pool': `PooledStats`, through the package's
 one pooled estimator, `pooled_mean_var` over `precise.pooled_moments`), and `RecomputeGuard`, which keeps activation
-checkpointing from counting a micro-batch twice. `batchnorm.py`'s modes and callback use them."""
+checkpointing from counting a micro-batch twice. `batchnorm/callback.py`'s modes and callback use them."""
 from __future__ import annotations
 from numbers import Real
 

@@ -29,7 +29,7 @@ def pooled_moments(n:torch.Tensor, mean:torch.Tensor, m2:torch.Tensor, tot=None)
     `(G, C)` tensors of items `n`, means and sums of squared deviations from their own mean `m2`: the mean of all items,
     and `m2` as each group's own plus its mean's spread about the whole mean (no sum of squares, which cancels for
     inputs far from zero). `tot`: the items, where the caller knows them on the host (no device synchronisation).
-    Used by 'pool' (`batchnorm.pooled_mean_var`), the recomputed statistics and `check_batchnorm` (`PopulationStats`)
+    Used by 'pool' (`pool.pooled_mean_var`), the recomputed statistics and `check_batchnorm` (`PopulationStats`)
 
     >>> x = torch.arange(10.).double(); a,b = x[:4],x[4:]
     >>> tot,mu,m2 = pooled_moments(torch.tensor([[4.],[6.]]).double(), torch.stack([a.mean(), b.mean()])[:,None],

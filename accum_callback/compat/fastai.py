@@ -1,9 +1,9 @@
-"""Every fastai name outside fastai's public API that the library uses, in one place (as `compat.py` holds torch's),
+"""Every fastai name outside fastai's public API that the library uses, in one place (as `compat/torch.py` holds torch's),
 each found by what this fastai has, with a clear refusal naming the fastai version where it is gone.
 `tests/test_package.py` fails when another module reaches for one of these names itself.
 
 - `Learner._with_events(f, event_type, ex, final)`: fastai runs each event pair through it and looks it up for every
-  epoch after `before_fit`; the fit's clean-up guard (`guard.FitGuard`) wraps it on the instance for one fit.
+  epoch after `before_fit`; the fit's clean-up guard (`protocols.FitGuard`) wraps it on the instance for one fit.
 - `Recorder._train_mets`: the running training metrics (smooth loss, ...) a checkpoint saves mid-epoch.
 - `DataLoader.fake_l` (a `fastai.data.load._FakeLoader`): the torch loader behind a fastai loader, whose `generator` seeds its iterator (a resumed pass
   draws that seed from a generator of its own), and which a copied loader needs its own of (`copy_loader`)."""

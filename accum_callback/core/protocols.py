@@ -20,7 +20,7 @@ class WindowOwner:
     """The window's owner (`GradientAccumulation`) as the parts beside and below it see it: `MicroBatching` finds it by
     this class and undoes a micro-batch through `window_state()` / `restore_window(state)`; `BatchNormAccumulation` and
     `GradientNoiseScale` follow its windows (`window_start`, `closes`, `on_window_close`). The owner holds `window` (a
-    `window.Window`) and `window_listeners` (`Listeners`, called with `stepped` as a window closes)"""
+    `window.state.Window`) and `window_listeners` (`Listeners`, called with `stepped` as a window closes)"""
     def window_state(self)->tuple[dict,bool]:
         "What undoing the micro-batch in progress puts back in the window (`restore_window`), and whether the window holds gradients"
         return self.window.snapshot(),self.window.is_open

@@ -98,11 +98,11 @@ class MicroBatching(Callback, Companion, ResumeSignature):
     def load_state_dict(self, sd:dict): self.size,self.trials,self._probe,self._serial = sd['size'],sd['trials'],sd['probe'],sd['serial']
 
     def _window(self):
-        "The `GradientAccumulation` that steps once per loader batch (found by its declared interface, `guard.WindowOwner`)"
+        "The `GradientAccumulation` that steps once per loader batch (found by its declared interface, `protocols.WindowOwner`)"
         return next((cb for cb in self.learn.cbs if isinstance(cb, WindowOwner)), None)
 
     def refuse_fit(self):
-        "What this fit is refused for (`guard.refuse_at_fit_start`): no window to step, 'auto' under FSDP2, a stateful model we cannot cut"
+        "What this fit is refused for (`protocols.refuse_at_fit_start`): no window to step, 'auto' under FSDP2, a stateful model we cannot cut"
         if self._window() is None:
             raise ValueError("MicroBatching cuts each loader batch into micro-batches; `accum_callback.GradientAccumulation` "
                              "must step once per loader batch of them: use `GradientAccumulation(micro_bs=...)`, which adds "

@@ -1,7 +1,7 @@
 """`learn.noise_scale()`: the gradient noise scale measured once, before training, at the current weights, on the
 replay engine's copy of the model (every micro-batch of at most a quarter of the set, pooled, with a bootstrap 95%
 interval over groups; or the windows' two-batch-size estimator), and its `NoiseScaleReport`. The callback that measures
-it during training, its estimators and the schedule that grows the window with it are in `noise.py`."""
+it during training, its estimators and the schedule that grows the window with it are in `noise/scale.py`."""
 from __future__ import annotations
 import math
 from dataclasses import dataclass, field

@@ -119,7 +119,7 @@ class GradientNoiseScale(Callback):
         add_fit_guard(self.learn, 'gradient_noise_scale', lambda e: self._unhook())   # a fit ended by an exception
 
     def refuse_fit(self):
-        "What this fit is refused for (`guard.refuse_at_fit_start`): no windows to measure, gradients no rank holds whole"
+        "What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to measure, gradients no rank holds whole"
         ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
         if ga is None:
             raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "

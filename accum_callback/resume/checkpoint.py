@@ -77,7 +77,7 @@ class Checkpoint(Callback):
 
     # -- fit ------------------------------------------------------------------------------------------------------
     def refuse_fit(self):
-        "The folder is checked when the fit starts (`guard.refuse_at_fit_start`): a folder, and one this process can write in"
+        "The folder is checked when the fit starts (`protocols.refuse_at_fit_start`): a folder, and one this process can write in"
         if in_inference(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs): return
         writable_folder(self.folder, 'Checkpoint: `path`', 'the checkpoints')
         remove_stale_parts(self.folder, 'ckpt-')   # what a killed write left (our names only, of processes no longer running)
@@ -138,7 +138,7 @@ class Checkpoint(Callback):
         last = getattr(learn.dl, 'last', None) if piece is None else piece.last_batch
         if last or not (self._due() or self._deferred): return
         ga = self._ga()
-        # FSDP2 and a `global_window` run save at the window's end (`elastic.save_waits`)
+        # FSDP2 and a `global_window` run save at the window's end (`world_size.save_waits`)
         if not can_skip(inner_loader(learn.dl)) or save_waits(ga, learn.model, self.batches is not None and self.place.k % self.batches == 0):
             self._deferred = True; return   # (a loader of ready-made batches: epoch ends only)
         self._deferred = False

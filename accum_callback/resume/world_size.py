@@ -1,8 +1,8 @@
 """Resuming a `global_window` run on another number of processes (issue 54). Such a run's windows hold the same
-samples on any number of processes (`global_order`), and at a window's end a DDP replica holds all a rank needs: the
+samples on any number of processes (`global_window`), and at a window's end a DDP replica holds all a rank needs: the
 weights and the optimizer's state are every rank's, the window is empty, and the epoch's place is a count of windows.
 So every rank reads rank 0's checkpoint file and counts that place again in its own loader batches. Under FSDP2 the
-model and optimizer are in a DCP folder instead (`sharded_checkpoint`), which every rank reads in its own layout. On as
+model and optimizer are in a DCP folder instead (`resume.sharded`), which every rank reads in its own layout. On as
 many processes as it was saved on, each rank reads its own file, as any run does (its RNG states: bitwise)"""
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def elastic_state(ckpt, serial:int, st:dict, ga, mine:dict|None=None)->tuple[dic
 
 def batches_in_world(k:int, n:int, window:int, old:int, new:int, bs:int, partial:bool=True, drop_last:bool=False)->int:
     """A rank's micro-batches done in an epoch of `n` samples, `k` on `old` processes at a window's end, counted again
-    on `new` processes: the same windows done (`global_order.deal`: each window's micro-batches dealt whole, padding
+    on `new` processes: the same windows done (`global_window.deal`: each window's micro-batches dealt whole, padding
     included, as many on every rank)"""
     ends = window_ends(n, window, old, bs, partial, drop_last)
     if k not in ends: raise CheckpointError(f"Checkpoint: {k} micro-batches a rank is not a window's end on {old} processes")

@@ -27,8 +27,8 @@ __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
 class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignature, WindowLog):
     """Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window.
-    An adapter from fastai's events to the window (`window.Window`: the rule), its plan (`plan.WindowPlan`: size, clock,
-    learning-rate gain), the ranks' sync (`distributed.SyncPolicy`) and its log (`window_log.WindowLog`)"""
+    An adapter from fastai's events to the window (`state.Window`: the rule), its plan (`plan.WindowPlan`: size, clock,
+    learning-rate gain), the ranks' sync (`core.distributed.SyncPolicy`) and its log (`log.WindowLog`)"""
     # Before `MixedPrecision` (10) and `GradientClip` (11) in `before_step`: the scaler unscales, checks and updates,
     # and clipping clips, once per window and on the finished window gradient. `_only_train_loop`: `learn.summary()`
     # runs its forward without us.
@@ -100,7 +100,7 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
 
-    def refuse_fit(self): "What this fit is refused for (`guard.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn); self.plan.check_ranks(self.learn)
+    def refuse_fit(self): "What this fit is refused for (`protocols.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn); self.plan.check_ranks(self.learn)
 
     def after_fit(self):
         if in_inference(self.learn): return

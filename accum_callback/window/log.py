@@ -19,7 +19,7 @@ class WindowLog:
     def steps(self)->int: "Optimizer steps taken in the last (or current) `fit`"; return len(self.window_sizes)
 
     def log_step(self, record):
-        "A window stepped (`window.Record`: its samples, items, loss and micro-batches)"
+        "A window stepped (`state.StepRecord`: its samples, items, loss and micro-batches)"
         self.window_sizes.append(record.samples); self.window_items.append(record.items)
         self.window_losses.append(record.loss); self.window_micro.append(record.micro)
 

@@ -17,7 +17,7 @@ class WindowPlan:
     def __init__(self, n_step=None, target_bs=None, n_acc=None, partial=None, cut:bool=False, count:int|None=None,
                  global_window:bool=False):
         """`count`: `GradientAccumulation`'s positional argument, read as `n_step`. `global_window`: `target_bs` counts
-        the samples of all ranks together, each window's samples the same on any number of them (`global_order`)"""
+        the samples of all ranks together, each window's samples the same on any number of them (`global_window`)"""
         if count is not None:
             if n_step is not None: raise TypeError(f"GradientAccumulation: a count ({count!r}) and `n_step` ({n_step!r}): give one, by name")
             n_step = count
@@ -60,7 +60,7 @@ class WindowPlan:
         return self.dealt if self.dealt is not None else dl
 
     def dealt_unit(self, learn, w, padding)->str|None:
-        """A dealt window's micro-batch (`global_order.deal`): its action, 'step' at the window's last (alike on every
+        """A dealt window's micro-batch (`global_window.deal`): its action, 'step' at the window's last (alike on every
         rank), or None; `padding` started where it is one (a copy run with zero weight: this rank holds fewer of the
         window's micro-batches)"""
         if not w.n_units: w.target = self.window_starts(learn)
