@@ -65,6 +65,17 @@ class _OldPaths:
 
 _sys.meta_path[:] = [f for f in _sys.meta_path if getattr(f, '__qualname__', None) != '_OldPaths'] + [_OldPaths]   # (once, a reload too)
 
+def names_from(package:str, module:str):
+    """A subpackage's `__getattr__` that hands out the names of its module `module` (loaded on first use: nothing loads
+    when the subpackage is imported): `window`, `batchnorm`, `check`, `noise` and `compat` were 0.2 modules, and hand
+    out those modules' names this way"""
+    def __getattr__(name:str):
+        if not name.startswith('__'):
+            try: return getattr(_importlib.import_module(f'{package}.{module}'), name)
+            except AttributeError: pass
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return __getattr__
+
 def _load_all():
     import warnings
     with warnings.catch_warnings():   # fastai.layers calls the deprecated torch.jit.script at import: not the user's concern

@@ -16,7 +16,7 @@ from ..compat.torch import rng_states, rngs_kept, set_rng_states, run_eagerly   
 from ..core.distributed import is_distributed, process_count, process_rank
 from ..window.global_window import deal_share
 from ..core.protocols import bn_layers_with_stats, trained_bn_layers   # (re-exported: their home before 0.3)
-from ..core.loaders import model_device
+from ..core.loaders import batch_sizes, model_device
 from ..micro.loader import loader_pieces
 from ..micro.pieces import piece_bounds, slice_batch
 from .norm_layers import set_norm_mode
@@ -188,10 +188,10 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=
     if dl is None:   # (each rank its own shard)
         yield from _first_items(loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False), learn, -(-n // world))
         return
-    sizes,bs = [min(dl.bs, dl.n - i*dl.bs) for i in range(-(-dl.n // dl.bs))],dl.bs
-    pieces,seen = [],0   # one process's pieces up to the first that reaches n: (loader batch, start, end)
-    for bi,m in enumerate(sizes):
-        for s,e in (piece_bounds(m, size) if size else [(0, m)]):
+    pieces,seen,bs = [],0,dl.bs   # one process's pieces up to the first that reaches n: (loader batch, start, end)
+    for bi,m in enumerate(batch_sizes(dl)):
+        if seen >= n: break
+        for s,e in piece_bounds(m, size):
             if seen >= n: break
             pieces.append((bi, s, e)); seen += e - s
     first,real,pad = deal_share(len(pieces), world, process_rank() if world > 1 else 0)
@@ -201,10 +201,10 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=
     dl.get_idxs = lambda: list(orig())[b0*bs:(b1 + 1)*bs]   # (the order drawn whole, as one process draws it)
     want,pad_x = set(mine[:real] if real else []),None
     for bi,b in enumerate(dl, start=b0):
-        b = to_device(b, model_device(learn.model))
-        for s,e in (piece_bounds(find_bs(b), size) if size else [(0, find_bs(b))]):
+        b,nb = to_device(b, model_device(learn.model)),find_bs(b)
+        for s,e in piece_bounds(nb, size):
             if (bi, s, e) not in want and not (pad_x is None and real == 0): continue
-            x = _inputs(learn, b if (s, e) == (0, find_bs(b)) else slice_batch(b, s, e))
+            x = _inputs(learn, b if (s, e) == (0, nb) else slice_batch(b, s, e))
             if pad_x is None: pad_x = x
             if (bi, s, e) in want: yield x
         if bi >= b1: break

@@ -22,7 +22,7 @@ def loader_pieces(learn, size:int|None, shuffle:bool=False, seed:int=0, epochs:i
         for b in dl:
             b = to_device(b, model_device(learn.model))
             n = find_bs(b)
-            for s,e in (piece_bounds(n, size) if size else [(0, n)]):
+            for s,e in piece_bounds(n, size):
                 yield (b if (s, e) == (0, n) else slice_batch(b, s, e)),(s, e, n)
 
 @dataclass

@@ -31,7 +31,8 @@ def next_piece(s:int, n:int, size:int, nom=None)->tuple:
     return e,(None if nom is None else max(nom-size, 1))
 
 def piece_bounds(n:int, size:int)->list:
-    "`(start, end)` of the near-equal pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size`"
+    "`(start, end)` of the near-equal pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size` (None: one, uncut)"
+    if not size: return [(0, n)]
     out,s = [],0
     while s < n: e,_ = next_piece(s, n, size); out.append((s, e)); s = e
     return out
