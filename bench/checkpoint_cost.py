@@ -46,13 +46,14 @@ peak[0] = max(peak[0], rss()); done = True; t.join()
 print(peak[0] - base)
 """
 
-def read_peak(model, d:Path)->float:
-    "How much a fresh process's peak resident memory rises reading a checkpoint of `model`, over the file's size"
+def read_peak(model, d:Path)->tuple:
+    """How much a fresh process's peak resident memory rises reading a checkpoint of `model`: over the file's size, and
+    in MiB (a small file's ratio is mostly the code pages torch touches reading it, a few MiB whatever the size)"""
     import subprocess
     f = d/'peak.pt'
     _write(f, dict(model=model.state_dict()))
     r = subprocess.run([sys.executable, '-c', _PEAK, str(f)], capture_output=True, text=True, check=True)
-    return int(r.stdout.split()[-1])/f.stat().st_size
+    return int(r.stdout.split()[-1])/f.stat().st_size,int(r.stdout.split()[-1])/2**20
 
 def train_ratio(rounds:int, d:Path):
     "Median of per-round ratios (with checkpoints / without) of a small conv net's fit, and their spread"
@@ -159,7 +160,8 @@ def main():
             w,r,n = one_write(m, d)
             print(f"{name}: {sum(p.numel() for p in m.parameters())/1e6:.2f}M parameters, checkpoint {n/2**20:.1f} MiB, "
                   f"written in {w:.3f} s, read and checked in {r:.3f} s (medians of 5)")
-            print(f"  reading it raises a fresh process's peak memory by {read_peak(m, d):.2f}x the file's size (3.01x before 0.3, resnet50)")
+            ratio,mib = read_peak(m, d)
+            print(f"  reading it raises a fresh process's peak memory by {ratio:.2f}x the file's size, {mib:.1f} MiB (3.01x before 0.3, resnet50)")
         res,plain = train_ratio(a.rounds, d)
         print(f"training, conv net 32px, micro-batch 16 x 4, 2 epochs of 512 images: {plain:.2f} s without checkpoints (median)")
         for k,label in (('minutes5', 'every 5 minutes (the default cadence; none fall due in the run)'), ('every_step', 'every optimizer step')):

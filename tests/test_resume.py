@@ -249,6 +249,27 @@ def test_a_learner_with_a_checkpoint_exports_copies_and_pickles(tmp_path):
         with other.no_logging(): other.fit(1)
         assert ck.saved, 'the copy wrote no checkpoint'
 
+def test_one_writer_thread_a_fit_ended_with_it_whatever_ends_it(tmp_path):
+    """The files are written by one thread a fit (starting one a checkpoint cost the main thread more than a millisecond
+    on 2 cores), ended when the fit ends, by its end or an exception; the writer pickled while it runs carries no thread"""
+    import pickle, threading
+    from fastai.callback.core import Callback
+    writers = lambda: {t for t in threading.enumerate() if t.name.startswith('accum_callback-writer')}   # (the objects: an ident is reused)
+    seen = []
+    class Watch(Callback):
+        order = 99   # (after the Checkpoint's save)
+        def after_batch(self):
+            seen.append(writers())
+            if self.iter == 5: assert pickle.loads(pickle.dumps(self.learn.checkpoint._writer)).wait() == (None, None)
+    before = writers()
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', batches=1), Watch()])
+    with learn.no_logging(): learn.fit(2)
+    assert len(cb.saved) >= 20 and len(set.union(*seen) - before) == 1 and writers() == before
+    seen.clear()
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck2', batches=1), Watch(), RaiseAt(7)])
+    with learn.no_logging(), pytest.raises(Boom): learn.fit(2)
+    assert len(set.union(*seen) - before) == 1 and writers() == before
+
 # -- resumed as users run it: the progress bar on, epochs skipped through fastai's events (issue 51) ----------------------
 def _plain_cbs(ck, **kw):
     from fastai.callback.progress import CSVLogger, ShowGraphCallback

@@ -10,9 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from accum_callback import Checkpoint, GradientAccumulation
-from accum_callback.resume.format import _MAGIC, CheckpointError, read_checkpoint
+from accum_callback.resume.format import _MAGIC, CheckpointError, _unpack, read_checkpoint
 from helpers import make_data, make_learner
 from test_resume import Boom, RaiseAt
+
+TAG = '__accum_callback__'
 
 def _data(): return make_data(40, seed=4)
 
@@ -24,10 +26,17 @@ def _interrupted(folder:Path):
     assert len(files) == 2
     return files
 
-def _plain(f:Path):
-    "A checkpoint file's contents as written (the plain structure, tags and all), read without running code"
+def _plain(f:Path, unpack:bool=True):
+    """A checkpoint file's contents as written (the plain structure, tags and all), read without running code; `unpack`:
+    its small tensors put back in their places (what a file written without a pack holds: the format reads both)"""
     raw = f.read_bytes()
-    return torch.load(io.BytesIO(raw[len(_MAGIC) + 12:]), weights_only=True)
+    st = torch.load(io.BytesIO(raw[len(_MAGIC) + 12:]), weights_only=True)
+    if not (unpack and isinstance(st, dict) and st.get(TAG) == 'pack'): return st
+    value,small = _unpack(st)
+    def put(o):
+        if isinstance(o, dict): return small[o['i']] if o.get(TAG) == 'packed' else type(o)((k, put(v)) for k,v in o.items())
+        return type(o)(put(v) for v in o) if type(o) in (list, tuple) else o
+    return put(value)
 
 def _frame(f:Path, obj):
     "Write `obj` as a well-framed checkpoint: magic, CRC-32 and length all valid, whatever it holds"
@@ -52,7 +61,6 @@ def from_the_older(tmp_path_factory):
     assert cb.resumed_from == files[0]
     return w
 
-TAG = '__accum_callback__'
 def _tag_in(o, kind:str):
     "The path (keys) to the first tagged dict of `kind` in the plain structure `o`"
     if isinstance(o, dict):
@@ -395,3 +403,95 @@ def test_long_lists_rng_states_and_the_signature_are_single_objects_and_read_bac
     for bad in ({**p['f'], 'value': torch.zeros(3, dtype=torch.int64)}, {**p['i'], 'type': 'set'},
                 {**p['sig'], 'value': '{"fit": '}, {**p['np'][1], 'value': torch.full((624,), -1, dtype=torch.int64)}):
         with pytest.raises(CheckpointError): from_plain(bad)
+
+# -- the pack: a checkpoint's small tensors in one flat tensor per dtype -------------------------------------------------
+def _write_read(tmp_path, state):
+    from accum_callback.resume.format import write_checkpoint
+    write_checkpoint(tmp_path/'c.pt', state)
+    return read_checkpoint(tmp_path/'c.pt'),_plain(tmp_path/'c.pt', unpack=False)
+
+def test_small_tensors_are_packed_and_read_back_exactly_each_its_own():
+    """Every dtype the pack takes, 0-d, empty, up to 16 KiB, a fastai typed tensor, the RNG states: read back equal
+    (bitwise, the same dtype and shape), each a tensor with a storage of its own (torch's RNG reads a view's storage from
+    its start: the CPU RNG's state read back is set, and draws as before); the large, the non-contiguous (channels_last)
+    and others as they were"""
+    import random, tempfile, numpy as np
+    from fastai.torch_core import TensorImage
+    from accum_callback.compat.torch import rng_states, set_rng_states
+    g = torch.Generator().manual_seed(0)
+    small = {str(d): (torch.randn(3, 5, generator=g)*100).to(d) for d in (torch.float32, torch.float64, torch.float16,
+             torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+    others = dict(zero_d=torch.tensor(2.5), empty=torch.zeros(0, 4), edge=torch.randn(4096, generator=g),
+                  large=torch.randn(4097, generator=g), cl=torch.randn(2, 3, 4, 4, generator=g).to(memory_format=torch.channels_last),
+                  cplx=torch.randn(3, dtype=torch.complex64, generator=g), img=TensorImage(torch.rand(1, 2, 2, generator=g)),
+                  param=torch.nn.Parameter(torch.ones(3)))
+    state = dict(small=small, **others, rngs=rng_states(), nested=[(small['torch.float32'], 1), {'k': small['torch.int8']}])
+    with tempfile.TemporaryDirectory() as d:
+        back,raw = _write_read(Path(d), state)
+    assert raw.get(TAG) == 'pack' and set(raw['data']) == {str(t).removeprefix('torch.') for t in small.values() for t in [t.dtype]}
+    assert raw['value']['large'].shape == (4097,) and isinstance(raw['value']['edge'], dict)   # (16 KiB packed, more not)
+    assert torch.is_tensor(raw['value']['cl']) and torch.is_tensor(raw['value']['cplx'])   # (not contiguous, not a packed dtype)
+    def same(a, b): return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    for k,t in small.items(): assert same(back['small'][k], t) and back['small'][k].untyped_storage().nbytes() == t.nbytes, k
+    for k in ('zero_d', 'empty', 'edge', 'large', 'cplx'): assert same(back[k], others[k]), k
+    assert same(back['cl'], others['cl']) and back['cl'].is_contiguous(memory_format=torch.channels_last)
+    assert type(back['img']) is TensorImage and torch.equal(back['img'], others['img']) and same(back['param'], torch.ones(3))
+    assert same(back['nested'][0][0], small['torch.float32']) and back['nested'][0][1] == 1 and same(back['nested'][1]['k'], small['torch.int8'])
+    set_rng_states(back['rngs']); a = (random.random(), np.random.rand(), torch.rand(2))
+    set_rng_states(state['rngs']); b = (random.random(), np.random.rand(), torch.rand(2))
+    assert a[:2] == b[:2] and torch.equal(a[2], b[2])
+
+PACKS = {   # what a pack can hold that does not fit it: each a `CheckpointError`, never a view outside its data
+    'a row past its data': lambda p: p['index'][0].__setitem__(1, 10**6),
+    'a negative offset': lambda p: p['index'][0].__setitem__(1, -1),
+    'a negative dimension': lambda p: p['index'][0].__setitem__(3, -2) if p['index'].shape[1] > 3 else p['index'][0].__setitem__(2, -1),
+    'a dimension of 2**62': lambda p: p['index'][0].__setitem__(2, 1) or p['index'][0].__setitem__(3, 2**62),
+    'more dimensions than columns': lambda p: p['index'][0].__setitem__(2, 99),
+    'an unknown dtype place': lambda p: p['index'][0].__setitem__(0, 77),
+    'a dtype with no data': lambda p: p['data'].pop(next(iter(p['data']))),
+    'data of another dtype': lambda p: p['data'].__setitem__(next(iter(p['data'])), torch.zeros(4, dtype=torch.complex64)),
+    'data of 2 dimensions': lambda p: p['data'].__setitem__('float32', p['data']['float32'].view(1, -1)),
+    'an index of floats': lambda p: p.__setitem__('index', p['index'].double()),
+    'an index of 1 dimension': lambda p: p.__setitem__('index', p['index'].flatten()),
+    'no index': lambda p: p.pop('index'),
+    'a value that is a list': lambda p: p.__setitem__('value', [p['value']]),
+    'a placeholder past the pack': lambda p: p['value']['model'].__setitem__(next(iter(p['value']['model'])), {TAG: 'packed', 'i': 10**6}),
+    'a placeholder of a string': lambda p: p['value']['model'].__setitem__(next(iter(p['value']['model'])), {TAG: 'packed', 'i': '0'}),
+    'a placeholder in an unpacked file': lambda p: p.update(p.pop('value')) or p.pop(TAG) and None,
+}
+
+@pytest.mark.parametrize('case', list(PACKS))
+def test_a_malformed_pack_is_passed_over_with_one_warning(tmp_path, case, from_the_older):
+    files = _interrupted(tmp_path/'ck')
+    p = _plain(files[-1], unpack=False)
+    assert p.get(TAG) == 'pack'
+    PACKS[case](p)
+    _frame(files[-1], p)
+    with pytest.raises(CheckpointError): read_checkpoint(files[-1])
+    cb,w,said = _resume(tmp_path/'ck')
+    assert cb.resumed_from == files[0] and len([s for s in said if 'passed over' in s]) == 1, said
+    assert all(torch.equal(a, b) for a,b in zip(w, from_the_older))
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_pack_is_resumed_or_passed_over_never_a_traceback(fuzz_base, data, tmp_path_factory):
+    "Any number in the pack's index, or any value anywhere in the packed structure: resumed, passed over, or one refusal"
+    folder,raws,_ = fuzz_base
+    ck = tmp_path_factory.mktemp('case')/'ck'; ck.mkdir()
+    names = ['ckpt-000001.rank0.pt', 'ckpt-000002.rank0.pt']
+    for n,raw in zip(names, raws): (ck/n).write_bytes(raw)
+    p = _plain(ck/names[-1], unpack=False)
+    if data.draw(st.booleans(), label='an index cell'):
+        r,c = data.draw(st.integers(0, p['index'].shape[0] - 1)),data.draw(st.integers(0, p['index'].shape[1] - 1))
+        p['index'][r, c] = data.draw(st.one_of(st.integers(-3, 40), st.sampled_from([2**31, 2**62, -2**62])), label='number')
+        path = ('index',)
+    else:
+        path,_ = data.draw(st.sampled_from(list(_nodes(p))[1:]), label='where')
+        p = _replace(p, path, data.draw(VALUES, label='value'))
+    _frame(ck/names[-1], p)
+    try: cb,_,said = _resume(ck)
+    except CheckpointError as e:
+        assert 'signature' in path and 'ckpt-000002' in str(e), (path, e)
+        return
+    assert cb.resumed_from in (ck/names[0], ck/names[1])
+    assert len([s for s in said if 'passed over' in s]) == (cb.resumed_from == ck/names[0]), said

@@ -2,10 +2,11 @@
 it, the folder synced), so that a write cut at any byte leaves the last good file in place, never a part of a new one.
 Used by the checkpoints, and by the job for its image cache, metrics.json and the exported model."""
 from __future__ import annotations
-import contextlib, os, re, tempfile, threading
+import contextlib, os, re, tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ['serials', 'Background', 'new_file_perms', 'atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
+__all__ = ['serials', 'remove_old', 'Background', 'new_file_perms', 'atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
 
 def fsync_dir(folder):
     "Make a rename in `folder` durable (a no-op where folders cannot be opened, e.g. Windows)"
@@ -26,26 +27,40 @@ def serials(folder, prefix:str, suffix:str)->list:
     pat = re.compile(re.escape(prefix) + r'(\d+)\.rank\d+' + re.escape(suffix))
     return sorted({int(m.group(1)) for f in Path(folder).glob(f'{prefix}*.rank*{suffix}') if (m := pat.fullmatch(f.name))})
 
+def remove_old(serials:list, keep:int, remove)->list:
+    "`remove(s)` for all but the newest `keep` of the sorted `serials`; `(serial, error)` for each that raised an `OSError`"
+    failed = []
+    for s in serials[:-keep]:
+        try: remove(s)
+        except OSError as e: failed.append((s, e))
+    return failed
+
 def new_file_perms()->int:
     "The mode bits a new file gets from the umask (read here, in the thread that writes nothing: the umask is the process's)"
     um = os.umask(0); os.umask(um)
     return 0o666 & ~um
 
 class Background:
-    """One job at a time in a thread of its own (a checkpoint's file written while training goes on): `start(fn)` waits
-    for the one before, `wait()` returns what the last one returned and the exception it raised (or None)"""
-    def __init__(self): self.thread,self.out = None,(None, None)
-    def _run(self, fn):
-        try: self.out = (fn(), None)
-        except BaseException as e: self.out = (None, e)
+    """One job at a time in a thread that lives from the first job to `close()` (a checkpoint's file written while
+    training goes on): `start(fn)` waits for the one before, `wait()` returns what the last one returned and the
+    exception it raised (or None). One thread for all of a fit's jobs: starting a thread a job cost the caller more
+    than a millisecond on 2 cores (the new thread holds the GIL until it blocks or its switch interval ends)"""
+    def __init__(self): self._pool,self._job = None,None
+    def __getstate__(self): return {}   # (a Learner pickled with its callbacks: no thread in it, and an older one's
+    def __setstate__(self, d): self.__init__()   # `Background` read back idle)
     def start(self, fn):
         self.wait()
-        self.thread = threading.Thread(target=self._run, args=(fn,), name='accum_callback-writer', daemon=True)
-        self.thread.start()
+        if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix='accum_callback-writer')
+        self._job = self._pool.submit(fn)
     def wait(self)->tuple:
-        if self.thread is None: return None,None
-        self.thread.join(); self.thread = None
-        out,self.out = self.out,(None, None)
+        job,self._job = self._job,None
+        if job is None: return None,None
+        try: return job.result(),None
+        except BaseException as e: return None,e
+    def close(self)->tuple:
+        "Wait for the job in flight, then end the thread"
+        out = self.wait()
+        if self._pool is not None: self._pool.shutdown(); self._pool = None
         return out
 
 @contextlib.contextmanager

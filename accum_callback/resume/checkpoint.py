@@ -22,13 +22,13 @@ from fastai.callback.schedule import LRFinder
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
 from ..core.protocols import CANCELS, StopSignals, WindowOwner, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
 from ..core.loaders import ReadAhead, can_skip
-from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, plain_state, read_checkpoint, reshard,  # (re-exported:
+from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_place import FitPlace, inner_loader
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
 from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
-from ..core.files import Background, serials, keep_copy, new_file_perms, remove_stale_parts, writable_folder
+from ..core.files import Background, serials, keep_copy, new_file_perms, remove_old, remove_stale_parts, writable_folder
 from ..core.args import whole_number
 _write,_MAGIC = write_checkpoint,MAGIC   # (the name bench/checkpoint_cost.py times; the magic's name before 0.3)
 
@@ -115,6 +115,7 @@ class Checkpoint(Callback):
     def _finish_fit(self, together:bool=True):   # (`together`: every rank is here; an exception may have stopped one only)
         try: self._flush(together)   # (the checkpoint in flight written, whatever ended the fit)
         finally:
+            self._writer.close()
             if getattr(self, '_signals', None) is not None: self._signals.remove(); self._signals = None
         remove_fit_guard(self.learn, 'checkpoint')
 
@@ -181,9 +182,8 @@ class Checkpoint(Callback):
     def _steps(self)->int:   # optimizer steps of this fit: the window's count, or without accumulation those no callback cancelled
         return ga.steps if (ga := self._ga()) is not None else self._opt_steps
     def after_cancel_step(self): self._step_cancelled = True
-    def after_step(self):
-        if not getattr(self, '_step_cancelled', False): self._opt_steps = getattr(self, '_opt_steps', 0) + 1
-        self._step_cancelled = False
+    def after_step(self):   # (a step no callback cancelled counts)
+        self._opt_steps,self._step_cancelled = getattr(self, '_opt_steps', 0) + (not getattr(self, '_step_cancelled', False)),False
 
     # -- saving ---------------------------------------------------------------------------------------------------
     def signature(self)->dict:
@@ -203,9 +203,10 @@ class Checkpoint(Callback):
         self._flush()
         self.serial += 1
         f,whole = self.file(self.serial, process_rank()),not writes_sharded(self.learn.model, is_elastic(self._ga()))   # (else a DCP folder)
-        try: st,err = Plain(plain_state(sharded_state(self, self._snapshot(where, whole), self._ga()), copy=True), new_file_perms()),None
+        try: st,err = Plain(packed_state(sharded_state(self, self._snapshot(where, whole), self._ga())), new_file_perms()),None
         except OSError as e: st,err = None,e
-        if st is not None: self._writer.start(lambda: _write(f, st))
+        # (one process: its file written is the checkpoint, so the old ones are removed in the same job, off the main thread)
+        if st is not None: self._writer.start(lambda: (_write(f, st), self._remove_old() if process_count() == 1 else None))
         self._inflight = (f, self.serial, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt' if where == 'done' and whole else None, err)
         if where == 'done' or not whole or self._stopping(): self._flush()
 
@@ -215,7 +216,7 @@ class Checkpoint(Callback):
         training goes on: the next one due tries again"""
         pending,self._inflight = getattr(self, '_inflight', None),None
         if pending is None: return
-        (f,serial,keep,err),(_,e) = pending,self._writer.wait()
+        (f,serial,keep,err),(out,e) = pending,self._writer.wait()
         if e is not None and not isinstance(e, OSError): raise e
         if err or e:
             last = self.file(self.saved[-1], process_rank()) if self.saved else None
@@ -228,9 +229,10 @@ class Checkpoint(Callback):
         if keep is not None and (x := keep_copy(f, keep)) is not None:   # this fit's end, kept for a re-run
             warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({x}): a re-run of it will not be restored", stacklevel=3)
         self.saved.append(serial)
-        for s in self._serials()[:-self.keep]:   # (one that cannot be removed is said: the checkpoint is written, training goes on)
-            try: self.file(s, process_rank()).unlink(missing_ok=True); remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')
-            except OSError as x: warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(x).__name__}: {x}); training goes on", stacklevel=3)
+        for s,x in (out[1] if out and out[1] is not None else self._remove_old()):   # (one that cannot be removed is said: the checkpoint is written, training goes on)
+            warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(x).__name__}: {x}); training goes on", stacklevel=3)
+
+    def _remove_old(self)->list: return remove_old(self._serials(), self.keep, lambda s: (self.file(s, process_rank()).unlink(missing_ok=True), remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')))
 
     # -- resuming -------------------------------------------------------------------------------------------------
     def _newest(self, records:list|None=None):

@@ -12,7 +12,7 @@ from fastcore.foundation import L
 
 from ..core.files import atomic_write
 
-__all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'from_plain', 'reshard',
+__all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'packed_state', 'from_plain', 'reshard',
            'is_rank_shard']
 
 MAGIC = b'ACKPT1\n'   # a checkpoint file's first line
@@ -54,32 +54,78 @@ def plain_state(o, where:str='state', copy:bool=False):
     try: return _plain(o, copy)
     except _Unplain as e: raise CheckpointError(e.what.format(where + ''.join(reversed(e.keys)))) from None
 
-def _plain(o, copy:bool):
+# Pickling a tensor costs torch.save about 20 objects, each through its Python `persistent_id`; a fit's state holds
+# dozens of small ones (biases, norms, their moments and gradients, the RNG states): written one by one they were 60% of
+# the pickling of a small model's checkpoint. Those of at most 16 KiB (on the CPU, contiguous, of a plain numeric dtype)
+# go into one flat tensor per dtype; read back, each is a copy of its part (the pack is small: so is the peak it adds).
+_PACKED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+           torch.uint8, torch.bool)   # (a file's index names them by their place here: the order is the format's)
+_PACKED_NAMES = {str(d).removeprefix('torch.'): d for d in _PACKED}
+_PACK_BYTES = 1 << 14
+
+def packed_state(o, where:str='state')->dict:
+    """`o` as `plain_state(o, copy=True)` gives it, with its small tensors copied into one flat tensor per dtype: what a
+    checkpoint file holds. `{TAG: 'pack', 'value': the state with each small tensor as {TAG: 'packed', 'i': n},
+    'data': {dtype's name: flat tensor}, 'index': int64 rows [dtype's place in _PACKED, offset, ndim, *shape]}`"""
+    small = []
+    try: value = _plain(o, True, small)
+    except _Unplain as e: raise CheckpointError(e.what.format(where + ''.join(reversed(e.keys)))) from None
+    if not small: return value
+    groups,ends,rows,width = {},{},[],3 + max(t.ndim for t in small)
+    for t in small:
+        rows.append([_PACKED.index(t.dtype), ends.get(t.dtype, 0), t.ndim, *t.shape] + [0]*(width - 3 - t.ndim))
+        groups.setdefault(t.dtype, []).append(t.reshape(-1)); ends[t.dtype] = rows[-1][1] + t.numel()
+    data = {str(d).removeprefix('torch.'): torch.cat(g) for d,g in groups.items()}   # (the copy of every small tensor)
+    return {_TAG: 'pack', 'value': value, 'data': data, 'index': torch.tensor(rows, dtype=torch.int64)}
+
+def _unpack(o:dict)->tuple:
+    "A packed file's state and its small tensors, each copied out of its dtype's flat tensor; `CheckpointError` for a malformed pack"
+    data,index = _field(o, 'data', dict, 'pack'),_field(o, 'index', torch.Tensor, 'pack')
+    for name,flat in data.items():
+        if not (isinstance(flat, torch.Tensor) and flat.dtype == _PACKED_NAMES.get(name) and flat.ndim == 1):
+            raise CheckpointError(f"a checkpoint's pack holds a malformed {name!r} ({type(flat).__name__})")
+    if index.dtype != torch.int64 or index.ndim != 2 or index.shape[1] < 3:
+        raise CheckpointError(f"a checkpoint's pack index is malformed ({index.dtype}, shape {tuple(index.shape)})")
+    out = []
+    for code,off,nd,*dims in index.tolist():
+        flat,shape = data.get(str(_PACKED[code]).removeprefix('torch.')) if 0 <= code < len(_PACKED) else None,dims[:nd]
+        if flat is None or not 0 <= nd <= len(dims) or min(shape, default=0) < 0 or off < 0 or off + math.prod(shape) > len(flat):
+            raise CheckpointError(f"a checkpoint's pack index has a malformed row {[code, off, nd, *dims]} (a shape or place outside its data)")
+        out.append(flat[off:off + math.prod(shape)].view(shape).clone())   # (a tensor of its own: torch's RNG takes a view's
+    return _field(o, 'value', dict, 'pack'),out                               # storage from its start; small, so the peak stays)
+
+def _copied(v, copy:bool, small):
+    "A tensor as written: into the pack (`small`, a list) where it is small, else itself (copied: `copy`)"
+    if small is not None and v.device.type == 'cpu' and v.dtype in _PACKED and v.nbytes <= _PACK_BYTES and v.is_contiguous():
+        small.append(v); return {_TAG: 'packed', 'i': len(small) - 1}
+    return v.clone() if copy else v
+
+def _plain(o, copy:bool, small=None):
     "`plain_state`, without the path of keys (one string a value is not built: a checkpoint a step holds thousands)"
     t = type(o)
     if o is None or t in _PLAIN: return o
     if t is list or t is tuple:
         if len(o) >= 64:   # (Python's RNG states, 625 ints; a long fit's logs and learning rates: one tensor, not an object each)
             if all(type(v) is int for v in o):
-                try: return {_TAG: 'ints', 'type': t.__name__, 'value': torch.tensor(o, dtype=torch.int64)}
+                try: return {_TAG: 'ints', 'type': t.__name__, 'value': _copied(torch.tensor(o, dtype=torch.int64), False, small)}
                 except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
-            elif all(type(v) is float for v in o): return {_TAG: 'floats', 'type': t.__name__, 'value': torch.tensor(o, dtype=torch.float64)}
+            elif all(type(v) is float for v in o): return {_TAG: 'floats', 'type': t.__name__, 'value': _copied(torch.tensor(o, dtype=torch.float64), False, small)}
         out = []
         for i,v in enumerate(o):
-            try: out.append(_plain(v, copy))
+            try: out.append(_plain(v, copy, small))
             except _Unplain as e: e.keys.append(f'[{i}]'); raise
         return t(out)
     if t is dict or t is collections.OrderedDict:
         if _TAG in o: raise _Unplain(f"Checkpoint: {{}} holds the key {_TAG!r}, which the checkpoint format reserves")
         out = t()
         for k,v in o.items():
-            try: out[k] = _plain(v, copy)
+            try: out[k] = _plain(v, copy, small)
             except _Unplain as e: e.keys.append(f'[{k!r}]'); raise
         return out
     if t is AsJson: return {_TAG: 'json', 'value': json.dumps(o.value, default=repr)}
     name = f'{t.__module__}.{t.__qualname__}'
     if isinstance(o, torch.Tensor):
-        if t is torch.Tensor or t is torch.nn.Parameter: return o.detach().clone() if copy else o.detach()
+        if t is torch.Tensor or t is torch.nn.Parameter: return _copied(o.detach(), copy, small)
         if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):   # a DTensor (FSDP2's optimizer state): this rank's shard,
             v = o.to_local().detach()                                # made a DTensor again like its parameter (`reshard`)
             return {_TAG: 'shard', 'value': v.clone() if copy else v}
@@ -88,13 +134,13 @@ def _plain(o, copy:bool):
             raise _Unplain(f"Checkpoint: {{}} is a {name}, a tensor subclass a checkpoint read without running code cannot "
                            "hold: give a plain tensor")
         v = o.detach().as_subclass(torch.Tensor)
-        return {_TAG: 'tensor', 'type': name, 'value': v.clone() if copy else v}
+        return {_TAG: 'tensor', 'type': name, 'value': _copied(v, copy, small)}
     if isinstance(o, np.ndarray):   # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
         fits = o.dtype.kind in 'bif' or (o.dtype.kind == 'u' and o.dtype.itemsize < 8)
         value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f' else np.int64).ravel()) if fits else o.ravel().tolist()
-        return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': value}
+        return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': _copied(value, False, small) if fits else value}
     if isinstance(o, np.generic): return o.item()
-    if isinstance(o, L): return {_TAG: 'L', 'value': [_plain(v, copy) for v in o]}
+    if isinstance(o, L): return {_TAG: 'L', 'value': [_plain(v, copy, small) for v in o]}
     if isinstance(o, (bool, int, float, str)) and not isinstance(o, enum.Enum):   # a subclass: its plain value
         return next(t for t in (bool, int, float, str) if isinstance(o, t))(o)
     raise _Unplain(f"Checkpoint: {{}} holds a {name}, which a checkpoint read without running code cannot hold: give "
@@ -154,11 +200,18 @@ def _ndarray(o:dict):
     try: return np.array(value, dtype=dt).reshape(shape)
     except (OverflowError, ValueError, TypeError) as e: raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}: {e}") from None
 
-def from_plain(o):
-    "What `plain_state` wrote, made again; `CheckpointError` for a tag that is malformed (nothing else is made)"
+def from_plain(o, packed:list|None=None):
+    """What `plain_state` wrote, made again; `CheckpointError` for a tag that is malformed (nothing else is made).
+    `packed`: the small tensors of a packed file (`_unpack`), which its `{TAG: 'packed', 'i': n}` stand for"""
     if isinstance(o, dict):
         tag = o.get(_TAG)
-        if tag is None: return type(o)((k, from_plain(v)) for k,v in o.items())
+        if tag is None: return type(o)((k, from_plain(v, packed)) for k,v in o.items())
+        if tag == 'packed':
+            i = o.get('i')
+            if packed is None or type(i) is not int or not 0 <= i < len(packed) or len(o) != 2:
+                raise CheckpointError(f"a checkpoint holds a packed tensor {i!r} that its pack does not have")
+            return packed[i]
+        if isinstance(v := o.get('value'), dict) and v.get(_TAG) == 'packed': o = dict(o, value=from_plain(v, packed))
         if tag == 'ndarray': return _ndarray(o)
         if tag == 'json':
             try: return json.loads(_field(o, 'value', str, "'json'"))
@@ -168,7 +221,7 @@ def from_plain(o):
             if kind is None or v.ndim != 1 or v.dtype != (torch.int64 if tag == 'ints' else torch.float64):
                 raise CheckpointError(f"a checkpoint's {tag!r} is malformed")
             return kind(v.tolist())
-        if tag == 'L': return L([from_plain(v) for v in _field(o, 'value', list, "'L'")])
+        if tag == 'L': return L([from_plain(v, packed) for v in _field(o, 'value', list, "'L'")])
         if tag == 'shard': return _field(o, 'value', torch.Tensor, 'shard').as_subclass(_Shard)
         if tag == 'tensor':
             cls = _fastai_tensor(o.get('type'))
@@ -180,8 +233,8 @@ def from_plain(o):
             v = o.get('value')
             if not isinstance(v, str): raise CheckpointError(f"a checkpoint holds {v!r}, which is no phase")
             return v
-        return [from_plain(v) for v in _field(o, 'value', list, 'StepRecord')]
-    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v) for v in o)
+        return [from_plain(v, packed) for v in _field(o, 'value', list, 'StepRecord')]
+    if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v, packed) for v in o)
     return o
 
 class Plain:
@@ -191,7 +244,7 @@ class Plain:
 def write_checkpoint(path:Path, obj)->int:
     """Write `obj` (the state of a fit, or a `Plain` one) to `path` atomically, as plain types with the header; returns
     the bytes written"""
-    plain = obj.value if isinstance(obj, Plain) else plain_state(obj)
+    plain = obj.value if isinstance(obj, Plain) else packed_state(obj)
     buf = io.BytesIO(); torch.save(plain, buf); data = buf.getvalue()
     with atomic_write(path, perms=getattr(obj, 'perms', None)) as f: f.write(MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
     return len(data)
@@ -232,7 +285,11 @@ def read_checkpoint(path)->dict:
                                    f"containers, which loading would run as code ({_unsupported(e)})") from None
         except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(st, dict): raise CheckpointError(f"{path}: holds a {type(st).__name__}, not the state of a fit")
-    try: return from_plain(st)
+    try:
+        st,packed = _unpack(st) if st.get(_TAG) == 'pack' else (st, None)
+        st = from_plain(st, packed)
+        if not isinstance(st, dict): raise CheckpointError(f"holds a {type(st).__name__}, not the state of a fit")
+        return st
     except CheckpointError as e: raise CheckpointError(f"{path}: {e}") from None
     except RecursionError: raise CheckpointError(f"{path}: nested too deep") from None
 
