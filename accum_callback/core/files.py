@@ -3,7 +3,7 @@ it, the folder synced), so that a write cut at any byte leaves the last good fil
 Used by the checkpoints, and by the job for its image cache, metrics.json and the exported model."""
 from __future__ import annotations
 import contextlib, os, re, tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ['serials', 'remove_old', 'Background', 'new_file_perms', 'atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
@@ -48,8 +48,14 @@ class Background:
     def __init__(self): self._pool,self._job = None,None
     def __getstate__(self): return {}   # (a Learner pickled with its callbacks: no thread in it, and an older one's
     def __setstate__(self, d): self.__init__()   # `Background` read back idle)
-    def start(self, fn):
+    def start(self, fn, now:bool=False):
+        "Run `fn` in the thread once the job before it is done, or (`now`: a job waited for at once) here, without one"
         self.wait()
+        if now:
+            self._job = Future()
+            try: self._job.set_result(fn())
+            except BaseException as e: self._job.set_exception(e)
+            return
         if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix='accum_callback-writer')
         self._job = self._pool.submit(fn)
     def wait(self)->tuple:

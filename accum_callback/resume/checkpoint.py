@@ -153,12 +153,11 @@ class Checkpoint(Callback):
 
     def _due(self, end:bool=False)->bool:
         "A checkpoint now? Rules every rank reads alike, and under DDP the clock and signals agreed at window ends"
-        steps = self._steps()
-        due = ((self.every is not None and steps - self._last_steps >= self.every) or
+        due = ((self.every is not None and self._steps() - self._last_steps >= self.every) or
                (self.batches is not None and self.place.k % self.batches == 0))
         if not is_distributed(self.learn.model):
             return due or self._stop is not None or (self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes)
-        if steps == self._checked_steps and not end: return due
+        if (steps := self._steps()) == self._checked_steps and not end: return due
         self._checked_steps = steps   # (one all-reduce a window, where the step has one anyway)
         timed = self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes
         signalled,timed = reduce_floats([float(self._stop is not None), float(timed)]); self._agreed = bool(signalled)
@@ -205,10 +204,11 @@ class Checkpoint(Callback):
         f,whole = self.file(self.serial, process_rank()),not writes_sharded(self.learn.model, is_elastic(self._ga()))   # (else a DCP folder)
         try: st,err = Plain(packed_state(sharded_state(self, self._snapshot(where, whole), self._ga())), new_file_perms()),None
         except OSError as e: st,err = None,e
+        now = where == 'done' or not whole or self._stopping()   # (written before training goes on: no thread for it)
         # (one process: its file written is the checkpoint, so the old ones are removed in the same job, off the main thread)
-        if st is not None: self._writer.start(lambda: (_write(f, st), self._remove_old() if process_count() == 1 else None))
+        if st is not None: self._writer.start(lambda: (_write(f, st), self._remove_old() if process_count() == 1 else None), now)
         self._inflight = (f, self.serial, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt' if where == 'done' and whole else None, err)
-        if where == 'done' or not whole or self._stopping(): self._flush()
+        if now: self._flush()
 
     def _flush(self, together:bool=True):
         """The checkpoint in flight: written, counted once every rank has written its file, the old ones removed, a
