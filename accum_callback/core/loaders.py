@@ -89,6 +89,7 @@ class ReadAhead:
     """The training loader read one batch ahead, so that `last` tells whether the batch being run is the epoch's last
     (fastai's loop knows only `len`, which a loader such as `DistributedDL`, a custom sampler or an iterable dataset can
     overstate). Everything else is the real loader's. It holds one more batch than fastai does"""
+    piece = None   # (its batches run whole: `MicroBatching`'s loader says which piece runs; not the real loader's, if it has one)
     def __init__(self, dl): self.dl,self.last,self.feed = dl,False,Feed()
     def __getattr__(self, k):
         if k in ('dl', 'feed'): raise AttributeError(k)
