@@ -55,26 +55,36 @@ def read_peak(model, d:Path)->tuple:
     r = subprocess.run([sys.executable, '-c', _PEAK, str(f)], capture_output=True, text=True, check=True)
     return int(r.stdout.split()[-1])/f.stat().st_size,int(r.stdout.split()[-1])/2**20
 
+class _TimedEnd(Checkpoint):
+    "A `Checkpoint` that times its `after_fit` (the fit's end checkpoint, written before `fit` returns)"
+    def after_fit(self):
+        t0 = time.perf_counter()
+        try: super().after_fit()
+        finally: self.end_s = time.perf_counter() - t0
+
 def train_ratio(rounds:int, d:Path):
-    "Median of per-round ratios (with checkpoints / without) of a small conv net's fit, and their spread"
+    """Median of per-round ratios (with checkpoints / without) of a small conv net's fit, and their spread; for the
+    default cadence also the fit's end checkpoint's seconds and the ratio without them (what the cadence costs a batch)"""
     ds = images(512, 32)
     def fit(extra):
         learn = learner(conv_net(), ds, 16, cbs=[GradientAccumulation(n_step=4)] + extra)
         t0 = time.perf_counter()
         with learn.no_bar(), learn.no_logging(): learn.fit(2)
-        return time.perf_counter()-t0
-    kinds = dict(plain=lambda: [], minutes5=lambda: [Checkpoint(d/'m5', minutes=5, epoch_end=False, resume=False)],
+        return time.perf_counter()-t0,getattr(extra[0], 'end_s', 0.) if extra else 0.
+    kinds = dict(plain=lambda: [], minutes5=lambda: [_TimedEnd(d/'m5', minutes=5, epoch_end=False, resume=False)],
                  every_step=lambda: [Checkpoint(d/'e1', every=1, epoch_end=False, resume=False)])
     fit([])   # warm-up
-    times = {k: [] for k in kinds}
+    times,ends = {k: [] for k in kinds},[]
     for r in range(rounds):
         order = list(kinds)[r % 3:] + list(kinds)[:r % 3]
-        for k in order: times[k].append(fit(kinds[k]()))
-    out = {}
-    for k in ('minutes5', 'every_step'):
-        ratios = [a/b for a,b in zip(times[k], times['plain'])]
+        for k in order:
+            t,end = fit(kinds[k]()); times[k].append(t)
+            if k == 'minutes5': ends.append(end)
+    def spread(ratios):
         med = statistics.median(ratios)
-        out[k] = (med, 1.4826*statistics.median([abs(x-med) for x in ratios]), statistics.median(times[k]))
+        return med,1.4826*statistics.median([abs(x-med) for x in ratios])
+    out = {k: (*spread([a/b for a,b in zip(times[k], times['plain'])]), statistics.median(times[k])) for k in ('minutes5', 'every_step')}
+    out['minutes5_less_end'] = (*spread([(a-e)/b for a,e,b in zip(times['minutes5'], ends, times['plain'])]), statistics.median(ends))
     return out, statistics.median(times['plain'])
 
 def _sharded_resnet(world):
@@ -167,6 +177,10 @@ def main():
         for k,label in (('minutes5', 'every 5 minutes (the default cadence; none fall due in the run)'), ('every_step', 'every optimizer step')):
             med,spread,t = res[k]
             print(f"with checkpoints {label}: {med:.3f} ± {spread:.3f} of the time without ({a.rounds} alternating rounds)")
+            if k == 'minutes5':
+                med,spread,end = res['minutes5_less_end']
+                print(f"  of which the fit's end checkpoint (once a fit, whatever its length): {1e3*end:.1f} ms (median); "
+                      f"without it (the cadence's check at every batch, the fit's start): {med:.3f} ± {spread:.3f}")
         if not a.skip_dcp: dcp_cost(a.rounds, d)
 
 if __name__ == '__main__': main()
