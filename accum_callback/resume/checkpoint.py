@@ -229,7 +229,7 @@ class Checkpoint(Callback):
         if keep is not None and (x := keep_copy(f, keep)) is not None:   # this fit's end, kept for a re-run
             warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({x}): a re-run of it will not be restored", stacklevel=3)
         self.saved.append(serial)
-        for s,x in (out[1] if out and out[1] is not None else self._remove_old()):   # (one that cannot be removed is said: the checkpoint is written, training goes on)
+        for s,x in (out[1] if process_count() == 1 else self._remove_old()):   # (one process: removed in the write's job; one that cannot be removed is said, training goes on)
             warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(x).__name__}: {x}); training goes on", stacklevel=3)
 
     def _remove_old(self)->list: return remove_old(self._serials(), self.keep, lambda s: (self.file(s, process_rank()).unlink(missing_ok=True), remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')))

@@ -50,7 +50,7 @@ def training_state(learn, skip, whole:bool=True)->dict:
     """What training has made, a piece of a fit's state: the model (`whole`; else nothing, a DCP folder holds it) and the
     gradients a window has accumulated so far, the optimizer with fastai's hyper-parameters, the grad scaler, the
     Recorder's history and every callback's state but `skip`'s (`callback_states`). Tensors as they are: a checkpoint
-    copies them (`format.plain_state(copy=True)`)"""
+    copies them (`format.packed_state`)"""
     model,sc = unwrap(learn.model),_scaler(learn)
     return dict(model={k: local_tensor(v) for k,v in model.state_dict().items()} if whole else {},
                 grads=[None if p.grad is None or not whole else local_tensor(p.grad) for p in model.parameters()],

@@ -48,10 +48,11 @@ class _Unplain(Exception):
     "What cannot be written (a message with `{}` for where it is), and the keys down to it, added on the way back up"
     def __init__(self, what:str): self.what,self.keys = what,[]
 
-def plain_state(o, where:str='state', copy:bool=False):
+def plain_state(o, where:str='state', copy:bool=False, _small:list|None=None):
     """`o` as types `torch.load(weights_only=True)` reads; `CheckpointError` naming what cannot be. `copy`: every tensor
-    copied (a state written in the background while training changes the tensors it was taken from)"""
-    try: return _plain(o, copy)
+    copied (a state written in the background while training changes the tensors it was taken from). (`_small`: where
+    `packed_state` collects the small tensors)"""
+    try: return _plain(o, copy, _small)
     except _Unplain as e: raise CheckpointError(e.what.format(where + ''.join(reversed(e.keys)))) from None
 
 # Pickling a tensor costs torch.save about 20 objects, each through its Python `persistent_id`; a fit's state holds
@@ -60,7 +61,8 @@ def plain_state(o, where:str='state', copy:bool=False):
 # go into one flat tensor per dtype; read back, each is a copy of its part (the pack is small: so is the peak it adds).
 _PACKED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
            torch.uint8, torch.bool)   # (a file's index names them by their place here: the order is the format's)
-_PACKED_NAMES = {str(d).removeprefix('torch.'): d for d in _PACKED}
+_PACKED_NAMES = [str(d).removeprefix('torch.') for d in _PACKED]   # (the keys of a file's flat tensors)
+_PACKED_BY_NAME = dict(zip(_PACKED_NAMES, _PACKED))
 _PACK_BYTES = 1 << 14
 
 def packed_state(o, where:str='state')->dict:
@@ -68,30 +70,30 @@ def packed_state(o, where:str='state')->dict:
     checkpoint file holds. `{TAG: 'pack', 'value': the state with each small tensor as {TAG: 'packed', 'i': n},
     'data': {dtype's name: flat tensor}, 'index': int64 rows [dtype's place in _PACKED, offset, ndim, *shape]}`"""
     small = []
-    try: value = _plain(o, True, small)
-    except _Unplain as e: raise CheckpointError(e.what.format(where + ''.join(reversed(e.keys)))) from None
+    value = plain_state(o, where, True, small)
     if not small: return value
     groups,ends,rows,width = {},{},[],3 + max(t.ndim for t in small)
     for t in small:
-        rows.append([_PACKED.index(t.dtype), ends.get(t.dtype, 0), t.ndim, *t.shape] + [0]*(width - 3 - t.ndim))
-        groups.setdefault(t.dtype, []).append(t.reshape(-1)); ends[t.dtype] = rows[-1][1] + t.numel()
-    data = {str(d).removeprefix('torch.'): torch.cat(g) for d,g in groups.items()}   # (the copy of every small tensor)
+        code = _PACKED.index(t.dtype)
+        rows.append([code, ends.get(code, 0), t.ndim, *t.shape] + [0]*(width - 3 - t.ndim))
+        groups.setdefault(code, []).append(t.reshape(-1)); ends[code] = rows[-1][1] + t.numel()
+    data = {_PACKED_NAMES[code]: torch.cat(g) for code,g in groups.items()}   # (the copy of every small tensor)
     return {_TAG: 'pack', 'value': value, 'data': data, 'index': torch.tensor(rows, dtype=torch.int64)}
 
 def _unpack(o:dict)->tuple:
     "A packed file's state and its small tensors, each copied out of its dtype's flat tensor; `CheckpointError` for a malformed pack"
     data,index = _field(o, 'data', dict, 'pack'),_field(o, 'index', torch.Tensor, 'pack')
     for name,flat in data.items():
-        if not (isinstance(flat, torch.Tensor) and flat.dtype == _PACKED_NAMES.get(name) and flat.ndim == 1):
+        if not (isinstance(flat, torch.Tensor) and flat.dtype == _PACKED_BY_NAME.get(name) and flat.ndim == 1):
             raise CheckpointError(f"a checkpoint's pack holds a malformed {name!r} ({type(flat).__name__})")
     if index.dtype != torch.int64 or index.ndim != 2 or index.shape[1] < 3:
         raise CheckpointError(f"a checkpoint's pack index is malformed ({index.dtype}, shape {tuple(index.shape)})")
     out = []
     for code,off,nd,*dims in index.tolist():
-        flat,shape = data.get(str(_PACKED[code]).removeprefix('torch.')) if 0 <= code < len(_PACKED) else None,dims[:nd]
-        if flat is None or not 0 <= nd <= len(dims) or min(shape, default=0) < 0 or off < 0 or off + math.prod(shape) > len(flat):
+        flat,shape = data.get(_PACKED_NAMES[code]) if 0 <= code < len(_PACKED) else None,dims[:nd]
+        if flat is None or not 0 <= nd <= len(dims) or min(shape, default=0) < 0 or off < 0 or (end := off + math.prod(shape)) > len(flat):
             raise CheckpointError(f"a checkpoint's pack index has a malformed row {[code, off, nd, *dims]} (a shape or place outside its data)")
-        out.append(flat[off:off + math.prod(shape)].view(shape).clone())   # (a tensor of its own: torch's RNG takes a view's
+        out.append(flat[off:end].view(shape).clone())   # (a tensor of its own: torch's RNG takes a view's
     return _field(o, 'value', dict, 'pack'),out                               # storage from its start; small, so the peak stays)
 
 def _copied(v, copy:bool, small):
