@@ -10,7 +10,7 @@ from ..compat.torch import BatchNormBase, compiled_with_cuda_graphs
 from ..compat.fastai import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
-__all__ = ['StopSignals', 'WindowOwner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
@@ -33,6 +33,8 @@ class WindowOwner:
         "Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients zeroed"
         return self.window_listeners.add(fn)
     def remove_window_listener(self, fn): self.window_listeners.discard(fn)
+
+def window_owner(learn)->WindowOwner|None: "The window's owner among `learn`'s callbacks (by this declared interface), or None"; return next((cb for cb in learn.cbs if isinstance(cb, WindowOwner)), None)
 
 class BringsCallbacks:
     """Declared by a callback that brings others to its Learner (`GradientAccumulation(micro_bs=...)`: its

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..core.protocols import CANCELS, Companion, ResumeSignature, Listeners, WindowOwner, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.protocols import CANCELS, Companion, ResumeSignature, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard, window_owner
 from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -99,7 +99,7 @@ class MicroBatching(Callback, Companion, ResumeSignature):
 
     def _window(self):
         "The `GradientAccumulation` that steps once per loader batch (found by its declared interface, `protocols.WindowOwner`)"
-        return next((cb for cb in self.learn.cbs if isinstance(cb, WindowOwner)), None)
+        return window_owner(self.learn)
 
     def refuse_fit(self):
         "What this fit is refused for (`protocols.refuse_at_fit_start`): no window to step, 'auto' under FSDP2, a stateful model we cannot cut"

@@ -20,7 +20,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
 
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
-from ..core.protocols import CANCELS, StopSignals, WindowOwner, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard
+from ..core.protocols import CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard, window_owner
 from ..core.loaders import ReadAhead, can_skip
 from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, reshard,  # (re-exported:
                                 write_checkpoint)                                                               # _MAGIC, read_...)
@@ -176,7 +176,7 @@ class Checkpoint(Callback):
         if self._stop is not None: raise KeyboardInterrupt
         self._stop = sig
 
-    def _ga(self): return next((cb for cb in self.learn.cbs if isinstance(cb, WindowOwner)), None)   # (the window's owner, by its declared interface)
+    def _ga(self): return window_owner(self.learn)   # (the window's owner, by its declared interface)
 
     def _steps(self)->int:   # optimizer steps of this fit: the window's count, or without accumulation those no callback cancelled
         return ga.steps if (ga := self._ga()) is not None else self._opt_steps
