@@ -25,7 +25,7 @@ from accum_callback import GradientAccumulation, MicroBatching
 from accum_callback.core.distributed import is_ddp, unwrap
 from accum_callback.micro import copy_module
 from accum_callback.testing import OutOfMemoryAbove
-from helpers import flat, rel_err
+from helpers import as64, flat, floor_tol, rel_err
 
 __all__ = ['Row', 'ROWS', 'rows_with', 'Oracle', 'OOMAbove', 'quiet_fit']
 
@@ -254,6 +254,7 @@ class Row:
     tta: bool = True           # fastai's `tta` works on its loaders
     ddp: bool = False          # a row of the distributed cells
     spans_kw: dict = field(default_factory=dict)   # `make` arguments where windows span loader batches
+    state64: callable = None   # casts the state a float64 copy of the model carries outside its parameters and buffers
 
 ROWS = {r.name: r for r in [
     Row('vision', vision, bn=True, predict=predict_image, ddp=True),
@@ -263,7 +264,7 @@ ROWS = {r.name: r for r in [
     Row('text_classifier', text_classifier, bn=True, join=text_join, loss=rnn_loss, predict=predict_text, ddp=True,
         spans_kw=dict(alpha=0., beta=0.)),
     Row('language_model', language_model, stateful=True, loss=rnn_loss, predict=predict_words,
-        preds_kw=dict(reorder=False), tta=False),
+        preds_kw=dict(reorder=False), tta=False, state64=lambda m: setattr(m[0], 'hidden', as64(m[0].hidden))),
     Row('tabular', tabular, bn=True, predict=predict_row, tta=False, ddp=True),
     Row('collab_dot', collab, dropout=False, predict=predict_ratings, tta=False),
     Row('collab_nn', partial(collab, use_nn=True), bn=True, predict=predict_ratings, tta=False),
@@ -287,9 +288,10 @@ class _WindowStart(Callback):
 
 class Oracle(Callback):
     """After `GradientAccumulation` has scaled a window's gradient, before the step: the relative error of the gradient
-    against the gradient of the row's loss on one batch of the window's samples (`row.join`), from `_WindowStart`'s copy"""
+    against the gradient of the row's loss on one batch of the window's samples (`row.join`), from `_WindowStart`'s copy,
+    computed in float64 (`errs`); float32's own large batch's error against it (`floors`) gives the tolerance (`tol`)"""
     order,run_valid = GradientAccumulation.order+1,False
-    def __init__(self, row:Row, oom=None): self.row,self.start,self.errs,self.buf,self.oom,self.ddp_steps = row,_WindowStart(),[],[],oom,0
+    def __init__(self, row:Row, oom=None): self.row,self.start,self.errs,self.floors,self.buf,self.oom,self.ddp_steps = row,_WindowStart(),[],[],[],oom,0
     def before_fit(self):
         self.buf,self.start.fresh = [],True
         self.learn.gradient_accumulation.on_window_close(self._closed)
@@ -305,20 +307,34 @@ class Oracle(Callback):
         finally:
             torch.set_rng_state(rng)
             if self.oom is not None: self.oom.enabled = True
+    @property
+    def tol(self)->float: return floor_tol(self.floors)
     def _error(self)->float:
         m,live = self.start.model0,list(unwrap(self.model).parameters())
         try: xb,yb = self.row.join(self.buf)
         except RuntimeError: return math.inf   # no one batch of these (a language model's short last batch beside full ones)
+        got = flat([q.grad if q.grad is not None else torch.zeros_like(q) for q in live if q.requires_grad]).double()
+        if is_ddp(self.model): self.ddp_steps += 1
+        f32 = next(m.parameters()).dtype == torch.float32
+        if f32:   # copied before the float32 pass, which moves a stateful model's state on
+            m64 = copy_module(m, computed=lambda t: t.detach().double()).double()
+            if self.row.state64 is not None: self.row.state64(m64)
+        rng = torch.get_rng_state()
+        ref = self._big_grad(m, live, xb, yb)
+        if f32:
+            torch.set_rng_state(rng)   # the same dropout masks
+            ref64 = self._big_grad(m64, live, as64(xb), as64(yb))
+            self.floors.append(rel_err(ref, ref64)); ref = ref64
+        return rel_err(got, ref)
+    def _big_grad(self, m, live, xb, yb):
         loss = self.row.loss(self.learn, m, xb, yb)
         ps = [p for p,q in zip(m.parameters(), live) if q.requires_grad]
         ref = torch.autograd.grad(loss, ps, allow_unused=True)
-        got = [q.grad if q.grad is not None else torch.zeros_like(q) for q in live if q.requires_grad]
         ref = flat([r if r is not None else torch.zeros_like(p) for r,p in zip(ref, ps)]).double()
         if is_ddp(self.model):   # one batch of every rank's window: the item-weighted mean of the ranks' means
-            self.ddp_steps += 1
             n = torch.tensor([float(yb[0].shape[0])], dtype=torch.float64)
             ref = torch.cat([ref*n, n]); dist.all_reduce(ref); ref = ref[:-1]/ref[-1]
-        return rel_err(flat(got).double(), ref)
+        return ref
 
 def quiet_fit(learn, epochs=1, meth='fit', **kw):
     with learn.no_bar(), learn.no_logging(): getattr(learn, meth)(epochs, **kw)

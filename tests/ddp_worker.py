@@ -337,7 +337,7 @@ def app_cells(rank, world_size, names):
         check = learn.check_accumulation().exact   # each rank, before sharding: no collective
         with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True), learn.no_bar(), learn.no_logging():
             learn.fit(1)
-        out[name] = dict(errs=oracle.errs, steps=learn.gradient_accumulation.steps, check=check, ddp_steps=oracle.ddp_steps,
+        out[name] = dict(errs=oracle.errs, tol=oracle.tol, steps=learn.gradient_accumulation.steps, check=check, ddp_steps=oracle.ddp_steps,
                          sizes=list(learn.gradient_accumulation.window_sizes))
         dist.barrier()
     return out

@@ -53,14 +53,41 @@ def make_learner(ds, bs, cbs=None, loss_func=F.mse_loss, opt_func=SGD, lr=0.1, s
 def flat(ts): return torch.cat([t.reshape(-1) for t in ts])
 def rel_err(a, b): return ((a-b).norm()/b.norm().clamp_min(1e-30)).item()
 
+# -- float32 tolerances from float32's measured rounding -----------------------------------------------------------
+# A float32 result equals its float64 reference only to float32's rounding on that computation, which depends on the
+# CPU's kernels (AVX-512, AVX2, scalar) and the summation order: a tolerance is that rounding, measured in the test on
+# the same computation (the large batch in float32 against float64), times this factor; never a constant one CPU printed.
+F32_SAFETY = 16   # an accumulation of k micro-batches rounds k partial sums more than the one large batch does
+
+def as64(x):
+    "Floating tensors (in tuples/lists) as float64, the rest as they are"
+    if isinstance(x, (tuple, list)): return type(x)(as64(o) for o in x)
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+def floor_tol(floors, dtype=torch.float32, safety=F32_SAFETY)->float:
+    """The tolerance for results of `dtype` whose float32 large-batch computations were `floors` (relative errors against
+    float64) away from float64's: `safety` times the largest, and never below `safety` ulps of `dtype` (a computation
+    float32 happens to round exactly)"""
+    return safety*max([*floors, torch.finfo(dtype).eps])
+
+def f32_floor(fn, *args)->float:
+    """Float32's rounding on `fn(*args)` (a tensor, or tensors): the relative error of the float32 result against the
+    same computation in float64 (`args` cast by `as64`; modules among them copied and cast)"""
+    def cast(a): return copy.deepcopy(a).double() if isinstance(a, nn.Module) else as64(a)
+    got,want = fn(*args),fn(*[cast(a) for a in args])
+    got,want = (flat(o) if isinstance(o, (tuple, list)) else o.reshape(-1) for o in (got, want))
+    return rel_err(got.double(), want)
+
 class WindowSpy(Callback):
     """Placed right after `GradientAccumulation`: at every optimizer step, recompute the gradient of the mean loss over
-    all the window's samples in one batch (with the weights the step starts from) and record the relative error"""
+    all the window's samples in one batch (with the weights the step starts from) and record the relative error. A
+    float32 model's reference is that gradient in float64 (`errs`), and float32's own large batch's error against it is
+    recorded too (`floors`): `tol` is the tolerance they give (`floor_tol`)"""
     order = GradientAccumulation.order+1
     run_valid = False
     def __init__(self, big_loss=None): self.big_loss = big_loss
     def before_fit(self):
-        self.buf,self.errs,self.windows = [],[],[]
+        self.buf,self.errs,self.windows,self.floors = [],[],[],[]
         self.learn.gradient_accumulation.on_window_close(self.closed)
     def after_fit(self): self.learn.gradient_accumulation.remove_window_listener(self.closed)
     def closed(self, stepped): self.buf = []
@@ -69,11 +96,20 @@ class WindowSpy(Callback):
     def before_step(self):
         xb = [torch.cat([b[0][i] for b in self.buf]) for i in range(len(self.xb))]
         yb = [torch.cat([b[1][i] for b in self.buf]) for i in range(len(self.yb))]
-        m = copy.deepcopy(self.model); m.zero_grad()
-        loss = (self.big_loss or self.loss_func)(m(*xb), *yb); loss.backward()
-        ref = flat([p.grad for p in m.parameters()])
+        rng = torch.get_rng_state()
+        ref = self._big_grad(self.model, xb, yb)
         got = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()])
+        if got.dtype == torch.float32:
+            torch.set_rng_state(rng)   # the same dropout masks
+            ref64 = self._big_grad(copy.deepcopy(self.model).double(), as64(xb), as64(yb))
+            self.floors.append(rel_err(ref.double(), ref64)); ref,got = ref64,got.double()
         self.errs.append(rel_err(got, ref)); self.windows.append(len(yb[0]))
+    def _big_grad(self, model, xb, yb):
+        m = copy.deepcopy(model); m.zero_grad()
+        loss = (self.big_loss or self.loss_func)(m(*xb), *yb); loss.backward()
+        return flat([p.grad for p in m.parameters()])
+    @property
+    def tol(self)->float: return floor_tol(self.floors)
 
 def fit_quiet(learn, n_epoch, meth='fit', **kw):
     "Fit without progress bars or printed tables (fastai's `no_bar` / `no_logging`)"
