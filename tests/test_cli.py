@@ -640,7 +640,7 @@ def test_torchrun_on_a_fresh_machine_a_small_folder_and_micro_bs_auto(tmp_path):
     data = make_folder(tmp_path/'imgs', n=30)
     fresh = dict(ACCUM_CALLBACK_CACHE=str(tmp_path/'jobcache'))
     args = ('--data', data, '--cache', tmp_path/'cache', '--micro-bs', 'auto', '--effective-bs', 8, '--epochs', 3,
-            '--valid-pct', 0.3, '--device', 'cpu')
+            '--valid-pct', 0.3, '--device', 'cpu', '--size', 28)   # (28 px: no checkpoint ships for it, rank 0 pretrains)
     two = _torchrun(*args, '--out', tmp_path/'two', env=fresh, timeout=240)
     assert two.returncode == 0, two.stderr[-5000:]
     assert two.stdout.count('accum-finetune summary') == 1 and two.stderr.count('pretraining resnet_tiny') == 1
@@ -762,7 +762,7 @@ def test_ctrl_c_under_torchrun(tmp_path, phase):
     env = {**os.environ, 'OMP_NUM_THREADS': '1', **({'ACCUM_CALLBACK_CACHE': str(tmp_path/'fresh')} if phase == 'waiting' else {})}
     with open(log, 'w') as err:
         p = subprocess.Popen(TORCHRUN + ['-m', 'accum_callback', '--epochs', '2', '--device', 'cpu', '--out', str(out),
-                                         '--checkpoint-minutes', '0.001'],
+                                         '--checkpoint-minutes', '0.001', *(['--size', '28'] if phase == 'waiting' else [])],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         t0 = time.monotonic()
@@ -890,15 +890,38 @@ def test_a_refused_resume_is_one_line_in_the_jobs_terms_and_exit_2(tmp_path, cap
     assert code == 2 and err.count('\n') == 1 and 'Traceback' not in err, err
     assert 'argument --resume' in err and 'window' in err and 'another --out' in err and 'resume=False' not in err, err
 
+def test_the_default_checkpoint_ships_and_is_checked_by_its_crc(tmp_path, monkeypatch, capsys):
+    """The job's default weights are the package's (the same start on every machine): found whole, nothing trained or
+    cached; a shipped copy whose bytes changed is one warning, then the cache's checkpoint is used (built there)"""
+    import shutil, warnings, torch
+    from accum_finetune import pretrain
+    monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(tmp_path/'cache'))
+    shipped = pretrain.shipped_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert pretrain.pretrained_checkpoint() == shipped and not (tmp_path/'cache').exists()
+    ck = torch.load(shipped, weights_only=True)
+    assert (ck['arch'], ck['size'], ck['classes'], ck['recipe']) == ('resnet_tiny', 32, [0, 1, 2, 3, 4], pretrain.PRETRAIN)
+    assert pretrain.shipped_path(size=24) is None and pretrain.shipped_path('resnet18') is None   # the rest: the cache
+    copy = tmp_path/'weights'; shutil.copytree(pretrain.SHIPPED, copy)
+    monkeypatch.setattr(pretrain, 'SHIPPED', copy)
+    raw = bytearray(pretrain.shipped_path().read_bytes()); raw[1000] ^= 1; pretrain.shipped_path().write_bytes(bytes(raw))
+    monkeypatch.setitem(pretrain.PRETRAIN, 'epochs', 1)
+    with pytest.warns(UserWarning, match='shipped pretrained checkpoint .* does not match its CRC-32') as said:
+        got = pretrain.pretrained_checkpoint()
+    assert len(said) == 1 and got == pretrain.checkpoint_path() and got.parent == tmp_path/'cache' and got.is_file()
+
 def test_a_damaged_or_empty_pretrained_cache_is_rebuilt_with_one_line(tmp_path, monkeypatch, capsys):
     "A flipped byte loaded silently; an empty file (a rename without fsync, then a power loss) failed every later run"
     from accum_finetune import pretrain
     monkeypatch.setenv('ACCUM_CALLBACK_CACHE', str(tmp_path))
     monkeypatch.setitem(pretrain.PRETRAIN, 'epochs', 1)
-    path = pretrain.pretrained_checkpoint()
+    size = 24   # a size that does not ship: the cache's
+    path = pretrain.pretrained_checkpoint(size=size)
+    assert path.parent == tmp_path
     good = path.read_bytes()
-    assert pretrain.pretrained_checkpoint() == path and 'rebuilding' not in capsys.readouterr().err   # whole: reused
+    assert pretrain.pretrained_checkpoint(size=size) == path and 'rebuilding' not in capsys.readouterr().err   # whole: reused
     for damage in (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], lambda b: b''):
         path.write_bytes(damage(good))
-        assert pretrain.pretrained_checkpoint() == path
+        assert pretrain.pretrained_checkpoint(size=size) == path
         assert capsys.readouterr().err.count('rebuilding') == 1 and path.read_bytes() == good   # (the recipe is deterministic)
