@@ -4,7 +4,10 @@ In README.md and docs/*.md an output block is the fenced block or the table righ
 below make each from the repo (the README's quickstart run as written, the job's check, tables from the recorded
 CSVs). `tests/test_doc_outputs.py` fails when a block differs from what its producer prints: the text exactly, every
 number to the digits the block shows (one unit of its last digit apart at most: a value on a rounding boundary may
-round either way on another CPU). Rewrite the blocks: `python tests/doc_outputs.py` (or `NAME ...` for some).
+round either way on another CPU). That is a precision every machine reproduces: the blocks print two or three
+significant digits of computations from fixed inputs (the job's check starts from the shipped checkpoint, not weights
+each machine trains), which CPUs differ on by float32's rounding, about 1e-6 relative. The page says on which machine a
+block was printed. Rewrite the blocks: `python tests/doc_outputs.py` (or `NAME ...` for some).
 
 Outputs that depend on the machine (timings, images/s) are not marked: they are examples, shown with their date,
 machine and command, once (docs/bench.md for the benchmarks)."""
