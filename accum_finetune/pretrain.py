@@ -105,9 +105,11 @@ if __name__ == '__main__':
     p = argparse.ArgumentParser(prog='python -m accum_finetune.pretrain', description=__doc__.splitlines()[0])
     p.add_argument('--arch', default=DEFAULT_ARCH); p.add_argument('--size', type=int, default=32)
     p.add_argument('--force', action='store_true', help='train again into the cache, even where a checkpoint ships')
-    p.add_argument('--ship', action='store_true', help="rebuild the package's shipped checkpoint (the default arch and size)")
+    p.add_argument('--ship', action='store_true',
+                   help="rebuild the package's shipped checkpoint (the default arch and size)")
     a = p.parse_args()
     if a.ship and (a.arch, a.size) != (DEFAULT_ARCH, 32): p.error(f"--ship: only {DEFAULT_ARCH} at 32 px ships")
     path = ship() if a.ship else pretrained_checkpoint(a.arch, a.size, a.force, progress=True)
     crc = _crc_path(path).read_text().split()
-    print(f"{path} (held-out accuracy {torch.load(path, weights_only=True)['accuracy']:.4f}, CRC-32 {crc[0]}, {crc[1]} bytes)")
+    acc = torch.load(path, weights_only=True)['accuracy']
+    print(f"{path} (held-out accuracy {acc:.4f}, CRC-32 {crc[0]}, {crc[1]} bytes)")

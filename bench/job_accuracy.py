@@ -16,8 +16,8 @@ def cpu_flags()->set:
 def run(seed:int, setting:str, out:Path)->float:
     env = {k: v for k,v in os.environ.items() if k != 'ATEN_CPU_CAPABILITY'}
     if setting != 'unset': env['ATEN_CPU_CAPABILITY'] = setting
-    r = subprocess.run([sys.executable, '-m', 'accum_callback', '--seed', str(seed), '--device', 'cpu', '--out', str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, '-m', 'accum_callback', '--seed', str(seed), '--device', 'cpu', '--out', str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode: sys.exit(f'seed {seed}, {setting}: exit {r.returncode}\n{r.stderr[-2000:]}')
     if 'pretraining' in r.stderr: sys.exit('the job pretrained: the shipped checkpoint was not used')
     return json.loads((out/'metrics.json').read_text())['accuracy']
@@ -29,11 +29,13 @@ if __name__ == '__main__':
     p.add_argument('--seeds', type=int, default=5); p.add_argument('--settings', nargs='+', default=here)
     a = p.parse_args()
     import torch   # (the version, for the record)
-    print(f"torch {torch.__version__}, CPU flags: {'avx512f' in flags and 'AVX-512' or 'avx2' in flags and 'AVX2' or 'neither'}")
+    kind = 'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'neither AVX2 nor AVX-512'
+    print(f"torch {torch.__version__}, CPU: {kind}")
     accs = []
     with tempfile.TemporaryDirectory() as d:
         for setting in a.settings:
             row = [run(s, setting, Path(d)/f'{setting}-{s}') for s in range(a.seeds)]
             accs += row
-            print(f"ATEN_CPU_CAPABILITY={setting:8s} seeds 0-{a.seeds-1}: " + ', '.join(f'{x:.4f}' for x in row), flush=True)
+            shown = ', '.join(f'{x:.4f}' for x in row)
+            print(f"ATEN_CPU_CAPABILITY={setting:8s} seeds 0-{a.seeds-1}: {shown}", flush=True)
     print(f"range over {len(accs)} runs: {min(accs):.4f}-{max(accs):.4f} (mean {sum(accs)/len(accs):.4f})")

@@ -288,10 +288,11 @@ class _WindowStart(Callback):
 
 class Oracle(Callback):
     """After `GradientAccumulation` has scaled a window's gradient, before the step: the relative error of the gradient
-    against the gradient of the row's loss on one batch of the window's samples (`row.join`), from `_WindowStart`'s copy,
-    computed in float64 (`errs`); float32's own large batch's error against it (`floors`) gives the tolerance (`tol`)"""
+    against the gradient of the row's loss on one batch of the window's samples (`row.join`), from `_WindowStart`'s
+    copy, computed in float64 (`errs`); float32's own large batch's error against it (`floors`) gives the tolerance (`tol`)"""
     order,run_valid = GradientAccumulation.order+1,False
-    def __init__(self, row:Row, oom=None): self.row,self.start,self.errs,self.floors,self.buf,self.oom,self.ddp_steps = row,_WindowStart(),[],[],[],oom,0
+    def __init__(self, row:Row, oom=None):
+        self.row,self.start,self.errs,self.floors,self.buf,self.oom,self.ddp_steps = row,_WindowStart(),[],[],[],oom,0
     def before_fit(self):
         self.buf,self.start.fresh = [],True
         self.learn.gradient_accumulation.on_window_close(self._closed)

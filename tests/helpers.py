@@ -56,7 +56,8 @@ def rel_err(a, b): return ((a-b).norm()/b.norm().clamp_min(1e-30)).item()
 # -- float32 tolerances from float32's measured rounding -----------------------------------------------------------
 # A float32 result equals its float64 reference only to float32's rounding on that computation, which depends on the
 # CPU's kernels (AVX-512, AVX2, scalar) and the summation order: a tolerance is that rounding, measured in the test on
-# the same computation (the large batch in float32 against float64), times this factor; never a constant one CPU printed.
+# the same computation (the large batch in float32 against float64), times this factor; never a constant one CPU
+# printed.
 F32_SAFETY = 16   # an accumulation of k micro-batches rounds k partial sums more than the one large batch does
 
 def as64(x):
@@ -65,8 +66,8 @@ def as64(x):
     return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 def floor_tol(floors, dtype=torch.float32, safety=F32_SAFETY)->float:
-    """The tolerance for results of `dtype` whose float32 large-batch computations were `floors` (relative errors against
-    float64) away from float64's: `safety` times the largest, and never below `safety` ulps of `dtype` (a computation
+    """The tolerance for results of `dtype` whose float32 large-batch computations were `floors` (relative errors
+    against float64) away from float64's: `safety` times the largest, and never below `safety` ulps of `dtype` (a computation
     float32 happens to round exactly)"""
     return safety*max([*floors, torch.finfo(dtype).eps])
 

@@ -640,7 +640,7 @@ def test_torchrun_on_a_fresh_machine_a_small_folder_and_micro_bs_auto(tmp_path):
     data = make_folder(tmp_path/'imgs', n=30)
     fresh = dict(ACCUM_CALLBACK_CACHE=str(tmp_path/'jobcache'))
     args = ('--data', data, '--cache', tmp_path/'cache', '--micro-bs', 'auto', '--effective-bs', 8, '--epochs', 3,
-            '--valid-pct', 0.3, '--device', 'cpu', '--size', 28)   # (28 px: no checkpoint ships for it, rank 0 pretrains)
+            '--valid-pct', 0.3, '--device', 'cpu', '--size', 28)   # (no checkpoint ships at 28 px: rank 0 pretrains)
     two = _torchrun(*args, '--out', tmp_path/'two', env=fresh, timeout=240)
     assert two.returncode == 0, two.stderr[-5000:]
     assert two.stdout.count('accum-finetune summary') == 1 and two.stderr.count('pretraining resnet_tiny') == 1
@@ -901,11 +901,13 @@ def test_the_default_checkpoint_ships_and_is_checked_by_its_crc(tmp_path, monkey
         warnings.simplefilter('error')
         assert pretrain.pretrained_checkpoint() == shipped and not (tmp_path/'cache').exists()
     ck = torch.load(shipped, weights_only=True)
-    assert (ck['arch'], ck['size'], ck['classes'], ck['recipe']) == ('resnet_tiny', 32, [0, 1, 2, 3, 4], pretrain.PRETRAIN)
+    want = ('resnet_tiny', 32, [0, 1, 2, 3, 4], pretrain.PRETRAIN)
+    assert (ck['arch'], ck['size'], ck['classes'], ck['recipe']) == want
     assert pretrain.shipped_path(size=24) is None and pretrain.shipped_path('resnet18') is None   # the rest: the cache
     copy = tmp_path/'weights'; shutil.copytree(pretrain.SHIPPED, copy)
     monkeypatch.setattr(pretrain, 'SHIPPED', copy)
-    raw = bytearray(pretrain.shipped_path().read_bytes()); raw[1000] ^= 1; pretrain.shipped_path().write_bytes(bytes(raw))
+    raw = bytearray(pretrain.shipped_path().read_bytes()); raw[1000] ^= 1
+    pretrain.shipped_path().write_bytes(bytes(raw))
     monkeypatch.setitem(pretrain.PRETRAIN, 'epochs', 1)
     with pytest.warns(UserWarning, match='shipped pretrained checkpoint .* does not match its CRC-32') as said:
         got = pretrain.pretrained_checkpoint()
@@ -920,7 +922,8 @@ def test_a_damaged_or_empty_pretrained_cache_is_rebuilt_with_one_line(tmp_path, 
     path = pretrain.pretrained_checkpoint(size=size)
     assert path.parent == tmp_path
     good = path.read_bytes()
-    assert pretrain.pretrained_checkpoint(size=size) == path and 'rebuilding' not in capsys.readouterr().err   # whole: reused
+    assert pretrain.pretrained_checkpoint(size=size) == path   # whole: reused
+    assert 'rebuilding' not in capsys.readouterr().err
     for damage in (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], lambda b: b''):
         path.write_bytes(damage(good))
         assert pretrain.pretrained_checkpoint(size=size) == path

@@ -46,11 +46,13 @@ def w(learn): return flat([p.detach().float().cpu() for p in learn.model.paramet
 def fit_floor(ds, bs, model, cbs=(), opt_func=SGD, lr=0.1, epochs=1, **kw)->tuple:
     """(the big-batch fit, the rounding of its precision on it): `model` fitted on `ds` in batches of `bs` with `cbs`
     (an autocast precision among them), and its weights' relative error against the same fit in float64 without
-    them; a tolerance is `floor_tol` of it (the GPU's kernels, TF32 or not, the autocast dtype: measured, not assumed)"""
+    them; a tolerance is `floor_tol` of it (the GPU's kernels, TF32 or not, the autocast dtype: measured, not
+    assumed)"""
     low = fit_silent(learner(ds, bs, copy.deepcopy(model), cbs, opt_func, lr, **kw), epochs)
     ds64 = TensorDataset(*as64(list(ds.tensors)))
     keep = [c for c in cbs if not isinstance(c, MixedPrecision)]
-    hi = fit_silent(learner(ds64, bs, copy.deepcopy(model).double(), keep + [Float64Smoothing()], opt_func, lr, **kw), epochs)
+    hi = learner(ds64, bs, copy.deepcopy(model).double(), keep + [Float64Smoothing()], opt_func, lr, **kw)
+    fit_silent(hi, epochs)
     return low,rel_err(w(low).double(), flat([p.detach().double().cpu() for p in hi.model.parameters()]))
 
 # -- mixed precision (BatchNorm-free model) ---------------------------------------------------------------------------
@@ -65,7 +67,7 @@ def test_mixed_precision_equals_big_batch(amp_mode):
     ga = acc.gradient_accumulation
     assert ga.steps == big.train_iter == 8 and ga.n_step_cancelled == 0
     err = rel_err(w(acc), w(big))
-    assert err <= floor_tol([floor]), (err, floor)   # low-precision forward rounds per micro-batch, as the big batch's once
+    assert err <= floor_tol([floor]), (err, floor)   # low precision rounds each micro-batch, as the big batch once
 
 @needs_gpu
 def test_fp16_overflowing_windows_skipped_whole():

@@ -281,7 +281,8 @@ def test_mixup_cutmix_window_gradient(cls):
             return flat([p.grad for p in m.parameters()])
         def after_backward(self):   # each micro-batch's gradient, and float32's rounding on it (against float64)
             g = self.grad(copy.deepcopy(self.model), self.xb, self.yb)
-            self.floors.append(rel_err(g.double(), self.grad(copy.deepcopy(self.model).double(), as64(self.xb), as64(self.yb))))
+            g64 = self.grad(copy.deepcopy(self.model).double(), as64(self.xb), as64(self.yb))
+            self.floors.append(rel_err(g.double(), g64))
             self.acc.append((len(self.yb[0]), g))
         @property
         def tol(self): return floor_tol(self.floors)

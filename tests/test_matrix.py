@@ -6,8 +6,8 @@ against every feature of the library (a column). Each cell runs a tiny Learner a
   rounding measured on that big batch (float32 against float64, `helpers.floor_tol`), and
   `check_accumulation()` run before training says exact too;
 - `differs`: a suspect the cell switched on (BatchNorm in training, dropout, a model whose state carries across loader
-  batches, a regulariser over padded positions) makes the steps differ from the big batch (beyond it), and the check says
-  NOT exact and names exactly that cause;
+  batches, a regulariser over padded positions) makes the steps differ from the big batch (beyond it), and the check
+  says NOT exact and names exactly that cause;
 - `runs` (BatchNorm modes, `lr_find`, `fine_tune`): the fit runs and leaves what the feature says (one pooled update a
   step, momentum put back, layers converted, weights restored);
 - `inference`/`export`: `validate`, `get_preds`, `predict`, `tta` with our callbacks equal fastai's without them, and
@@ -27,8 +27,8 @@ from accum_callback.testing import launch_gloo
 from apps import ROWS, BS, N_TRAIN, Row, Oracle, OOMAbove, quiet_fit
 from helpers import flat, rel_err
 
-# The steps are compared with the big batch in float64; the tolerance is float32's own error on that big batch, measured
-# in the same step (`Oracle.tol`: `helpers.floor_tol`), so it follows the machine's kernels (AVX-512, AVX2, scalar, a GPU's)
+# The steps are compared with the big batch in float64; the tolerance is float32's own error on that big batch,
+# measured in the same step (`Oracle.tol`: `helpers.floor_tol`): it follows the machine's kernels (AVX-512, AVX2, a GPU's)
 
 # -- the columns ---------------------------------------------------------------------------------------------------
 # loader batch and GradientAccumulation arguments of each column that trains with the oracle
