@@ -43,8 +43,8 @@ def cache_dir(tmp_path_factory):
 def cache(cache_dir, monkeypatch):
     "The session's checkpoint path; `$ACCUM_CALLBACK_CACHE` points at its cache for this test only (subprocesses and kernels inherit it)"
     monkeypatch.setenv(CACHE_ENV, str(cache_dir))
-    from accum_finetune.pretrain import checkpoint_path
-    return checkpoint_path()
+    from accum_finetune.pretrain import pretrained_checkpoint
+    return pretrained_checkpoint()   # (the shipped one: what the job loads)
 
 _NOT_CHECKOUT = {'.git', '.venv', '__pycache__', '.pytest_cache', '.hypothesis', '.ipynb_checkpoints', 'build', 'dist', '.whl'}
 
