@@ -47,8 +47,8 @@ def run(model, seed):
 @pytest.mark.parametrize('make', [llama, gpt2])
 @pytest.mark.parametrize('tied', [False, True])
 def test_a_causal_lm_at_random_init_is_found_to_shift_in_every_seed(make, tied):
-    """30 seeds of a tiny causal LM at random init, tied and untied embeddings: the float64 comparison alone (no class to
-    go by) decides 'shifted' in every seed, and so does the class. The 1e-3 comparison alone is not enough: untied, the
+    """30 seeds of a tiny causal LM at random init, tied and untied embeddings: the float64 comparison alone (no class
+    to go by) decides 'shifted' in every seed, and so does the class. The 1e-3 comparison alone is not enough: untied, the
     unshifted cross-entropy is within it in some seeds (counted here, so that this test is known to tell them apart)"""
     close = 0
     for seed in range(30):
@@ -93,7 +93,8 @@ def test_the_class_breaks_a_tie_the_logits_cannot():
     loss = F.cross_entropy(flat.reshape(-1, 40), labels.reshape(-1), ignore_index=IGNORE)
     assert _own_rule(dict(loss=loss, logits=flat), labels, loss)[1] is False
     assert _own_rule(dict(loss=loss, logits=flat), labels, loss, 'shifted') == ('shifted', True)
-    assert _own_rule(dict(loss=loss + 1, logits=flat), labels, loss + 1, 'shifted') == (None, True)   # (neither matches)
+    off = loss + 1   # (neither candidate matches)
+    assert _own_rule(dict(loss=off, logits=flat), labels, off, 'shifted') == (None, True)
 
 def test_a_learner_counts_an_untied_llama_as_shifted_at_random_init():
     """In a fit: a seed where the unshifted cross-entropy is within 1e-3 of the model's loss; each micro-batch of the

@@ -26,7 +26,8 @@ def found(cbs, bs, n=96, **kw):
         sug = learn.lr_find(show_plot=False, **kw)
     return learn,sug,s.n
 
-CUTS = {'n_step': (lambda: [GradientAccumulation(n_step=4)], 4), 'micro_bs': (lambda: [GradientAccumulation(n_step=1), MicroBatching(4)], 16),
+CUTS = {'n_step': (lambda: [GradientAccumulation(n_step=4)], 4),
+        'micro_bs': (lambda: [GradientAccumulation(n_step=1), MicroBatching(4)], 16),
         'target_bs': (lambda: [GradientAccumulation(target_bs=16)], 8)}
 
 @pytest.mark.parametrize('cut', list(CUTS))

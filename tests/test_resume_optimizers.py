@@ -16,7 +16,8 @@ from test_resume import Boom, RaiseAt, _data
 
 OPTS = {'fastai-Adam': Adam, 'fastai-SGD-mom': partial(SGD, mom=0.9),
         'torch-SGD': partial(OptimWrapper, opt=partial(torch.optim.SGD, momentum=0.9)),
-        'torch-Adam': partial(OptimWrapper, opt=torch.optim.Adam), 'torch-AdamW': partial(OptimWrapper, opt=torch.optim.AdamW),
+        'torch-Adam': partial(OptimWrapper, opt=torch.optim.Adam),
+        'torch-AdamW': partial(OptimWrapper, opt=torch.optim.AdamW),
         'torch-RMSprop': partial(OptimWrapper, opt=torch.optim.RMSprop)}
 
 def _fit(learn, meth):
@@ -37,13 +38,15 @@ def _cut_and_resumed(tmp_path, opt_func, meth='fit', cut=7, ga=None):
     """The fit uninterrupted, cut at training batch `cut` with checkpoints every 3, and run again: (the uninterrupted
     Learner, the resumed one, its Checkpoint, what it warned but that an earlier fit of the sequence finished)"""
     import fastai.callback.schedule   # (fit_one_cycle)
-    mk = lambda cbs: make_learner(_data(), 4, cbs=[GradientAccumulation(**(ga or dict(n_step=2)))] + cbs, opt_func=opt_func, lr=1e-2)
+    mk = lambda cbs: make_learner(_data(), 4, cbs=[GradientAccumulation(**(ga or dict(n_step=2)))] + cbs,
+                                  opt_func=opt_func, lr=1e-2)
     ref = _fit(mk([]), meth)
     _fit(mk([Checkpoint(tmp_path/'ck', batches=3), RaiseAt(cut)]), meth)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter('always')
         again = _fit(mk([cb := Checkpoint(tmp_path/'ck', batches=3)]), meth)
-    return ref,again,cb,[str(w.message) for w in said if 'Checkpoint' in str(w.message) and 'finished before' not in str(w.message)]
+    said = [str(w.message) for w in said]
+    return ref,again,cb,[m for m in said if 'Checkpoint' in m and 'finished before' not in m]
 
 @pytest.mark.parametrize('name', list(OPTS))
 def test_every_optimizer_resumes_bitwise(tmp_path, name):
