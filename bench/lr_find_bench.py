@@ -17,13 +17,15 @@ def data(kind, seed, n=512):
     if kind == 'mlp':
         x = torch.randn(n, 8, generator=g); w = torch.randn(8, 3, generator=g)
         return TensorDataset(x, x @ w + 0.3*torch.randn(n, 3, generator=g))
-    x = torch.randn(n, 3, 12, 12, generator=g); y = (x[:, 0].mean((1, 2)) > 0).long() + (x[:, 1].mean((1, 2)) > 0).long()
+    x = torch.randn(n, 3, 12, 12, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long() + (x[:, 1].mean((1, 2)) > 0).long()
     return TensorDataset(x, y)
 
 def model(kind, seed):
     torch.manual_seed(seed)
     if kind == 'mlp': return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 3))
 
 def suggestion(kind, seed, bs, cbs, after):
     from fastai.learner import Learner
@@ -41,7 +43,8 @@ def suggestion(kind, seed, bs, cbs, after):
 
 def main():
     from accum_callback import GradientAccumulation, MicroBatching
-    a = argparse.ArgumentParser(); a.add_argument('--seeds', type=int, default=5); a.add_argument('--b', type=int, default=4)
+    a = argparse.ArgumentParser()
+    a.add_argument('--seeds', type=int, default=5); a.add_argument('--b', type=int, default=4)
     a.add_argument('--k', type=int, default=8); args = a.parse_args()
     torch.set_num_threads(1)
     b,k = args.b,args.k
@@ -52,7 +55,8 @@ def main():
             for seed in range(args.seeds):
                 ref = suggestion(kind, seed, b*k, [], after)
                 r['n_step'].append(suggestion(kind, seed, b, [GradientAccumulation(n_step=k)], after)/ref)
-                r['micro_bs'].append(suggestion(kind, seed, b*k, [GradientAccumulation(n_step=1), MicroBatching(b)], after)/ref)
+                cut = [GradientAccumulation(n_step=1), MicroBatching(b)]
+                r['micro_bs'].append(suggestion(kind, seed, b*k, cut, after)/ref)
             for cut,v in r.items():
                 geo = math.exp(statistics.mean(math.log(x) for x in v))
                 print(f"{kind:5} {'after 2 epochs' if after else 'untrained':14} {cut:8}: ratio geo-mean {geo:.3f}, "

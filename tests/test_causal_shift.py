@@ -48,8 +48,8 @@ def run(model, seed):
 @pytest.mark.parametrize('tied', [False, True])
 def test_a_causal_lm_at_random_init_is_found_to_shift_in_every_seed(make, tied):
     """30 seeds of a tiny causal LM at random init, tied and untied embeddings: the float64 comparison alone (no class
-    to go by) decides 'shifted' in every seed, and so does the class. The 1e-3 comparison alone is not enough: untied, the
-    unshifted cross-entropy is within it in some seeds (counted here, so that this test is known to tell them apart)"""
+    to go by) decides 'shifted' in every seed, and so does the class. The 1e-3 comparison alone is not enough: untied,
+    the unshifted cross-entropy is within it in some seeds (counted here, so that this test is known to tell them apart)"""
     close = 0
     for seed in range(30):
         m = make(seed, tied)
@@ -109,7 +109,9 @@ def test_a_learner_counts_an_untied_llama_as_shifted_at_random_init():
     m = llama(0, False)
     ids,lab = batch(0)
     ds = [(ids[i], lab[i]) for i in range(4)]
-    f = lambda b: ({'input_ids': torch.stack([x for x,_ in b]), 'labels': torch.stack([y for _,y in b])}, torch.stack([y for _,y in b]))
+    def f(b):
+        x,y = torch.stack([x for x,_ in b]),torch.stack([y for _,y in b])
+        return {'input_ids': x, 'labels': y},y
     dls = DataLoaders(DataLoader(ds, bs=2, create_batch=f), DataLoader(ds, bs=2, create_batch=f), device='cpu')
     dls.n_inp = 1
     class Counts(Callback):

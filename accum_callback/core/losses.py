@@ -111,7 +111,8 @@ def declared_rule(model)->str|None:
     `MODEL_FOR_CAUSAL_LM_MAPPING`) shifts its labels ('shifted'), a sequence-to-sequence LM does not ('tokens'). The
     model or the one Hugging Face model it wraps; None where it does not say (or wraps several)"""
     if not isinstance(model, nn.Module): return None
-    causal,seq2seq = _hf_names('MODEL_FOR_CAUSAL_LM_MAPPING_NAMES'),_hf_names('MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES')
+    causal = _hf_names('MODEL_FOR_CAUSAL_LM_MAPPING_NAMES')
+    seq2seq = _hf_names('MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES')
     if not causal and not seq2seq: return None
     try: from transformers import PreTrainedModel
     except ImportError: return None

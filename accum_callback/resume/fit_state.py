@@ -299,7 +299,8 @@ def _tried(get, put, value, what:str):
 
 def _plain_value(v)->bool:
     "A hyper-parameter or option as torch's optimizers hold them: a number, a bool, None, a string, a tuple of numbers"
-    return v is None or type(v) in (bool, int, float, str) or (type(v) in (tuple, list) and all(type(x) in (int, float) for x in v))
+    return v is None or type(v) in (bool, int, float, str) or (
+        type(v) in (tuple, list) and all(type(x) in (int, float) for x in v))
 
 def _state_fits(d:dict, p, shape, sharded:bool)->bool:
     "One parameter's optimizer state: numbers, or tensors 0-d or of the parameter's shape"
@@ -318,12 +319,14 @@ def _check_torch_opt(saved, opt, params, need, shape, sharded:bool):
     need(all(type(i) is int for i in idx) and sorted(idx) == list(range(len(params)))
          and [len(g['params']) for g in groups] == [len(n['params']) for n in now],
          "the optimizer's parameter groups do not fit its parameters")
-    need(all(_plain_value(v) for g in groups for k,v in g.items() if k != 'params'), "the optimizer's options are malformed")
+    need(all(_plain_value(v) for g in groups for k,v in g.items() if k != 'params'),
+         "the optimizer's options are malformed")
     st = saved['state']
     need(all(type(i) is int and 0 <= i < len(params) and isinstance(d, dict) for i,d in st.items()),
          "the optimizer's state does not fit its parameters")
     by_index = dict(zip([i for n in now for i in n['params']], params))
-    for i,d in st.items(): need(_state_fits(d, by_index[i], shape, sharded), f"the optimizer's state of parameter {i} does not fit it")
+    for i,d in st.items():
+        need(_state_fits(d, by_index[i], shape, sharded), f"the optimizer's state of parameter {i} does not fit it")
     _tried(opt.state_dict, opt.load_state_dict, saved, "the optimizer's state cannot be applied")
 
 def _check_opt(saved, opt, need, shape, sharded:bool):
@@ -334,7 +337,7 @@ def _check_opt(saved, opt, need, shape, sharded:bool):
     need(isinstance(saved, dict) and ('param_groups' in saved) == torch_now,
          f"'opt' is not {'a torch' if torch_now else 'a fastai'} optimizer's state (another optimizer)")
     if torch_now: return _check_torch_opt(saved, opt, params, need, shape, sharded)
-    need(isinstance(saved, dict) and set(saved) == {'state', 'hypers'}, "'opt' is not an optimizer's state (fastai's or torch's)")
+    need(set(saved) == {'state', 'hypers'}, "'opt' is not a fastai optimizer's state")
     from fastcore.foundation import L
     hypers,state = list(saved['hypers']) if isinstance(saved['hypers'], (list, tuple, L)) else None,saved['state']
     need(hypers is not None and len(hypers) == len(opt.hypers) and all(

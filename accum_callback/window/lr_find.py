@@ -13,7 +13,9 @@ from fastai.callback.schedule import LRFinder
 
 __all__ = ['WindowedLRFinder', 'lr_finder']
 
-def lr_finder(learn)->LRFinder|None: "The `LRFinder` among `learn`'s callbacks (`lr_find`'s), or None"; return next((c for c in learn.cbs if isinstance(c, LRFinder)), None)
+def lr_finder(learn)->LRFinder|None:
+    "The `LRFinder` among `learn`'s callbacks (`lr_find`'s), or None"
+    return next((c for c in learn.cbs if isinstance(c, LRFinder)), None)
 
 class WindowedLRFinder(Callback):
     "`lr_find` under a window owner `ga`: a rate a step, a recorded loss a window (see the module)"
@@ -36,8 +38,9 @@ class WindowedLRFinder(Callback):
 
     def _window_closed(self, stepped:bool):
         l = self.ga.window_losses[-1] if stepped else None
-        if stepped: loss = l.detach().cpu() if isinstance(l, torch.Tensor) else torch.tensor(float(l), dtype=torch.float64)
-        elif self.ga.n_skipped > self.skipped: loss = torch.tensor(math.inf)   # (a non-finite window: the rate diverged)
+        if stepped:
+            loss = l.detach().cpu() if isinstance(l, torch.Tensor) else torch.tensor(float(l), dtype=torch.float64)
+        elif self.ga.n_skipped > self.skipped: loss = torch.tensor(math.inf)   # (a non-finite window: diverged)
         else: return   # (a partial window dropped at an epoch's end: no step)
         self.skipped = self.ga.n_skipped
         self.closed = loss
