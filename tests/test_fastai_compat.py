@@ -296,12 +296,12 @@ def test_mixup_cutmix_window_gradient(cls):
     assert cnt.n == 2 and len(spy.errs) == 2 and max(spy.errs) <= spy.tol
 
 def test_lr_find():
-    "lr_find holds each tried rate for a window; the model and optimizer come back as they were, gradients clean"
+    "lr_find tries a rate an optimizer step (num_it counts steps); the model and optimizer come back, gradients clean"
     learn = img_learner(4, [GradientAccumulation(n_step=3)], n=48)
     w0 = weights(learn).clone(); cnt = StepCounter(); learn.add_cb(cnt)
     with warnings.catch_warnings(), learn.no_bar():
         warnings.simplefilter('ignore'); res = learn.lr_find(num_it=24, show_plot=False)
-    assert cnt.n == 8 and torch.equal(weights(learn), w0) and grads_clean(learn.model)
+    assert cnt.n == 24 and torch.equal(weights(learn), w0) and grads_clean(learn.model)
     assert res.valley > 0 and len(learn.recorder.lrs) == 24
 
 def test_fine_tune_vision_learner_pool():

@@ -159,12 +159,12 @@ def test_batchnorm_mode_cell(name, col, one_thread):
 
 @pytest.mark.parametrize('name', [n for n,c in CELLS if c == 'lr_find'])
 def test_lr_find_cell(name, one_thread):
-    "`lr_find` steps once per window of micro-batches (its num_it counts micro-batches) and restores the weights"
+    "`lr_find` steps once per window of micro-batches (its num_it counts steps) and restores the weights"
     row = ROWS[name]
     learn = build(row, 'lr_find', [GradientAccumulation(n_step=2)])
     w0 = flat(learn.model.parameters()).detach().clone()
     with learn.no_bar(), learn.no_logging(): sug = learn.lr_find(num_it=8, stop_div=False, show_plot=False)
-    assert math.isfinite(sug.valley) and learn.gradient_accumulation.steps == 4
+    assert math.isfinite(sug.valley) and learn.gradient_accumulation.steps == 8
     assert torch.equal(flat(learn.model.parameters()).detach(), w0)
     assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
 

@@ -91,27 +91,64 @@ def _labels(xb):
 
 # what each model's own loss averages over, found once per model: 'tokens' (labels not IGNORE_INDEX), 'shifted' (the same,
 # but for the first position of each row: a causal LM predicts token t+1 at t), 'rows' (float labels: a mean over rows),
-# None (neither matches: unknown, the batch size rule stands and the fit start says so)
+# None (neither matches: unknown, the batch size rule stands and the fit start says so). Not kept while undecided.
 _RULES = weakref.WeakKeyDictionary()
 
+MATCH = 1e-3    # relative: a candidate within it may be the model's loss (the model may compute in another precision)
+CLEARLY = 10.   # a candidate is chosen where the other misses the model's loss by this many times more
+
+def _hf_names(mapping:str)->frozenset:
+    "The class names of one of transformers' auto mappings (empty where transformers is not imported: no import here)"
+    import sys
+    if 'transformers' not in sys.modules: return frozenset()
+    try:
+        from transformers.models.auto import modeling_auto
+        return frozenset(getattr(modeling_auto, mapping, {}).values())
+    except ImportError: return frozenset()
+
+def declared_rule(model)->str|None:
+    """What a model's own loss averages over where its class says: a Hugging Face causal LM (a class of transformers'
+    `MODEL_FOR_CAUSAL_LM_MAPPING`) shifts its labels ('shifted'), a sequence-to-sequence LM does not ('tokens'). The
+    model or the one Hugging Face model it wraps; None where it does not say (or wraps several)"""
+    if not isinstance(model, nn.Module): return None
+    causal = _hf_names('MODEL_FOR_CAUSAL_LM_MAPPING_NAMES')
+    seq2seq = _hf_names('MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES')
+    if not causal and not seq2seq: return None
+    try: from transformers import PreTrainedModel
+    except ImportError: return None
+    hf = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    outer = [m for m in hf if not any(m is not o and any(m is c for c in o.modules()) for o in hf)]
+    if len(outer) != 1: return None
+    name = type(outer[0]).__name__
+    return 'shifted' if name in causal else 'tokens' if name in seq2seq else None
+
 @torch.no_grad()
-def _own_rule(pred, labels, loss):
-    """Which count `loss` (a model's own) averages over: the cross-entropy of the output's `logits` against `labels`, as
-    they stand and shifted one position, compared with the loss the model gave (relative 1e-3: the model may compute in
-    another precision). 'rows' for float labels (regression, multi-label: a mean over a fixed number of values a row)"""
-    if labels.is_floating_point(): return 'rows'
+def _own_rule(pred, labels, loss, declared=None)->tuple[str|None, bool]:
+    """Which count `loss` (a model's own) averages over, and whether that is decided: the cross-entropy of the output's
+    `logits` against `labels` as they stand ('tokens') and shifted one position ('shifted'), in float64, compared with
+    the loss the model gave. The `declared` rule (`declared_rule`) where it matches within `MATCH`; else the candidate
+    that matches where the other misses `CLEARLY` more (beyond the loss dtype's rounding); else, where both match,
+    the closer one for this micro-batch only (undecided: asked again at the next). 'rows' for float labels (regression,
+    multi-label: a mean over a fixed number of values a row); None, decided, where no candidate matches"""
+    if labels.is_floating_point(): return 'rows',True
     logits = _field(pred, 'logits')
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point(): return None
-    lg,lb,cands = logits.detach().float(),labels.long(),{}
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point(): return None,True
+    lg,lb,cands = logits.detach().double(),labels.long(),{}
     if lg.ndim == lb.ndim+1 and lg.shape[:-1] == lb.shape:
         cands['tokens'] = lambda: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE_INDEX)
         if lb.ndim >= 2:
             cands['shifted'] = lambda: F.cross_entropy(lg[..., :-1, :].reshape(-1, lg.shape[-1]), lb[..., 1:].reshape(-1),
                                                        ignore_index=IGNORE_INDEX)
-    v = float(loss.detach())
-    for k,f in cands.items():
-        if abs(float(f())-v) <= 1e-3*max(abs(v), 1e-6): return k
-    return None
+    v = float(loss.detach().double())
+    scale = max(abs(v), 1e-6)
+    miss = {k: abs(float(f())-v) for k,f in cands.items()}
+    miss = {k: e for k,e in miss.items() if e == e}   # (a candidate with no target left: nan, out of the running)
+    near = sorted((e,k) for k,e in miss.items() if e <= MATCH*scale)
+    if not near: return None,True
+    if declared in miss and miss[declared] <= MATCH*scale: return declared,True
+    (e,k),rest = near[0],[x for j,x in miss.items() if j != near[0][1]]
+    rounding = 64*torch.finfo(loss.dtype).eps*scale if loss.is_floating_point() else 0.
+    return k,all(x > CLEARLY*max(e, rounding) for x in rest)
 
 def own_loss_items(learn)->torch.Tensor|None:
     """The count a model's own loss averages over (see `_own_rule`), for the micro-batch `learn` holds: the labels not
@@ -125,8 +162,8 @@ def own_loss_items(learn)->torch.Tensor|None:
     if model is not None and model in _RULES: rule = _RULES[model]
     else:
         if not torch.isfinite(loss.detach()): return None   # (a non-finite loss tells nothing: decided at the next)
-        rule = _own_rule(pred, labels, loss)
-        if model is not None: _RULES[model] = rule   # (a Learner without a model: decided each time)
+        rule,decided = _own_rule(pred, labels, loss, declared_rule(model))
+        if decided and model is not None: _RULES[model] = rule   # (a Learner without a model: decided each time)
     if rule not in ('tokens', 'shifted'): return None
     return ((labels[..., 1:] if rule == 'shifted' else labels) != IGNORE_INDEX).sum()
 

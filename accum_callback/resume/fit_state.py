@@ -69,9 +69,12 @@ def apply_training_state(learn, st:dict, skip):
         else: local_tensor(p.grad).copy_(g)
     if st['opt'] is not None and learn.opt is not None:
         ps = [p for p,*_ in learn.opt.all_params(with_grad=False)]
-        if len(ps) == len(st['opt'].get('state', ())):   # (FSDP2: each parameter's state as its DTensor again)
-            st['opt']['state'] = [reshard(s_, p) for s_,p in zip(st['opt']['state'], ps)]
-        learn.opt.load_state_dict(st['opt'])
+        o = st['opt']
+        if 'param_groups' in o:   # torch's (`OptimWrapper`): each parameter's state by its index
+            o['state'] = {i: reshard(s_, ps[i]) for i,s_ in o['state'].items()}
+        elif len(ps) == len(o.get('state', ())):   # (FSDP2: each parameter's state as its DTensor again)
+            o['state'] = [reshard(s_, p) for s_,p in zip(o['state'], ps)]
+        learn.opt.load_state_dict(o)
     if st['scaler'] is not None and (sc := _scaler(learn)) is not None: sc.load_state_dict(st['scaler'])
     restore_recorder(learn.recorder, st['recorder'])
     for k,_,_,put in callback_states(learn, skip):
@@ -294,10 +297,47 @@ def _tried(get, put, value, what:str):
     except Exception as e: raise ValueError(f"{what} ({type(e).__name__})") from None
     finally: put(own)
 
+def _plain_value(v)->bool:
+    "A hyper-parameter or option as torch's optimizers hold them: a number, a bool, None, a string, a tuple of numbers"
+    return v is None or type(v) in (bool, int, float, str) or (
+        type(v) in (tuple, list) and all(type(x) in (int, float) for x in v))
+
+def _state_fits(d:dict, p, shape, sharded:bool)->bool:
+    "One parameter's optimizer state: numbers, or tensors 0-d or of the parameter's shape"
+    return all(type(k) is str and (v is None or type(v) in (bool, int, float) or (isinstance(v, torch.Tensor) and (
+               sharded or v.ndim == 0 or shape(v) & shape(p)))) for k,v in d.items())
+
+def _check_torch_opt(saved, opt, params, need, shape, sharded:bool):
+    """torch's optimizer state (`OptimWrapper.state_dict`, which is its torch optimizer's): the parameter groups of
+    `opt`'s, the same options, each parameter's index once, and each state of a parameter that is there"""
+    need(set(saved) == {'state', 'param_groups'} and isinstance(saved['param_groups'], list)
+         and isinstance(saved['state'], dict), "'opt' is not an optimizer's state (fastai's or torch's)")
+    groups,now = saved['param_groups'],opt.state_dict()['param_groups']
+    need(len(groups) == len(now) and all(isinstance(g, dict) and set(g) == set(n) for g,n in zip(groups, now)),
+         "the optimizer's parameter groups do not fit this optimizer's (another optimizer, or other options)")
+    idx = [i for g in groups for i in (g['params'] if isinstance(g['params'], list) else [None])]
+    need(all(type(i) is int for i in idx) and sorted(idx) == list(range(len(params)))
+         and [len(g['params']) for g in groups] == [len(n['params']) for n in now],
+         "the optimizer's parameter groups do not fit its parameters")
+    need(all(_plain_value(v) for g in groups for k,v in g.items() if k != 'params'),
+         "the optimizer's options are malformed")
+    st = saved['state']
+    need(all(type(i) is int and 0 <= i < len(params) and isinstance(d, dict) for i,d in st.items()),
+         "the optimizer's state does not fit its parameters")
+    by_index = dict(zip([i for n in now for i in n['params']], params))
+    for i,d in st.items():
+        need(_state_fits(d, by_index[i], shape, sharded), f"the optimizer's state of parameter {i} does not fit it")
+    _tried(opt.state_dict, opt.load_state_dict, saved, "the optimizer's state cannot be applied")
+
 def _check_opt(saved, opt, need, shape, sharded:bool):
-    "A fastai optimizer's state as `Optimizer.state_dict` writes it, for `opt`'s parameters and hyper-parameters"
-    need(isinstance(saved, dict) and set(saved) == {'state', 'hypers'}, "'opt' is not a fastai optimizer's state")
+    """An optimizer's state as its `state_dict` writes it, for `opt`'s parameters and hyper-parameters: fastai's
+    `Optimizer` (`state`, `hypers`) or torch's behind fastai's `OptimWrapper` (`state`, `param_groups`)"""
     params = [p for p,*_ in opt.all_params(with_grad=False)]
+    torch_now = 'param_groups' in opt.state_dict()   # (the form this optimizer writes is the form it reads)
+    need(isinstance(saved, dict) and ('param_groups' in saved) == torch_now,
+         f"'opt' is not {'a torch' if torch_now else 'a fastai'} optimizer's state (another optimizer)")
+    if torch_now: return _check_torch_opt(saved, opt, params, need, shape, sharded)
+    need(set(saved) == {'state', 'hypers'}, "'opt' is not a fastai optimizer's state")
     from fastcore.foundation import L
     hypers,state = list(saved['hypers']) if isinstance(saved['hypers'], (list, tuple, L)) else None,saved['state']
     need(hypers is not None and len(hypers) == len(opt.hypers) and all(

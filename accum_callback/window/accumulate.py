@@ -21,6 +21,7 @@ from .schedule import PARTIAL_MODES
 from ..core.args import flag
 from .state import Phase, Window
 from .log import WindowLog
+from .lr_find import WindowedLRFinder, lr_finder
 
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
@@ -99,6 +100,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
+        if (f := lr_finder(self.learn)) is not None:   # `lr_find`: a rate a step (joined now: its `before_fit` by hand)
+            self.learn.add_cb(w := WindowedLRFinder(self, f)); self._joined.append(w); w.before_fit()
 
     def refuse_fit(self): "What this fit is refused for (`protocols.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn); self.plan.check_ranks(self.learn)
 
@@ -120,6 +123,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         learn = self.learn
         if learn is None: return
         if self._ahead is not None: learn.dl,self._ahead = self._ahead.dl,None
+        for cb in self._joined:
+            if isinstance(cb, WindowedLRFinder): cb.finish()
         learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, CutLoader) and cb.mb is self])
         learn.remove_cbs(self._joined); self._joined = []   # (joined for the fit: they leave with it)
 
