@@ -1,0 +1,105 @@
+"""BatchNormAccumulation('window'): every optimizer step's gradient and the running statistics are those of one large
+batch of the window's samples (float64), whatever the window's cut; the approximate variant, the check, resume"""
+import copy, warnings
+import pytest, torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from fastai.callback.core import Callback
+from fastai.optimizer import SGD
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+from accum_callback import BatchNormAccumulation, GradientAccumulation, MicroBatching
+from accum_callback.batchnorm.window_stats import WINDOW_EXACT_MAX_LAYERS, WindowStats
+from helpers import make_data, make_learner, rel_err
+
+GRAD_TOL = 1e-10   # relative (norm) error of a float64 step's gradient against the large batch's
+STATS_TOL = 1e-12  # relative error of float64 running statistics against the large batch's
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+class Net(nn.Module):
+    "BatchNorm on a layer's output (2d) and on (N,C,L) input, a residual path around one, ReLU in place after each"
+    def __init__(self, n_in=5, n_bn=3, momentum=0.1, seed=0):
+        super().__init__(); torch.manual_seed(seed)
+        self.inp = nn.Linear(n_in, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.BatchNorm1d(16, momentum=momentum), nn.ReLU(inplace=True), nn.Linear(16, 16))
+                                     for _ in range(n_bn-1)])
+        self.bn3 = nn.BatchNorm1d(4, momentum=momentum)
+        self.out = nn.Linear(16, 3)
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks: h = h + b(h)
+        h = F.relu(self.bn3(h.view(-1, 4, 4))).flatten(1)
+        return self.out(h)
+
+class StepGrads(Callback):
+    "Each optimizer step's gradient against the large batch's: the model and the loader batch kept at the window's start"
+    order = GradientAccumulation.order+2   # after the accumulation's `before_step` scaled the window's gradient
+    def before_fit(self): self.errs,self.start = [],None
+    def before_batch(self):
+        p = self.learn.micro_batching.piece
+        if self.training and p.start == 0:
+            self.start = (copy.deepcopy(self.model), self.learn.micro_batching.loader.batch)
+    def before_step(self):
+        if not self.learn.gradient_accumulation.window.stepped: return
+        m,(x,y) = copy.deepcopy(self.start[0]),self.start[1]
+        m.train(); m.zero_grad()
+        self.learn.loss_func(m(x), y).backward()
+        ref = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+        got = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
+        self.errs.append(rel_err(got, ref))
+        self.big_running = [(b.running_mean.clone(), b.running_var.clone()) for b in m.modules() if isinstance(b, nn.BatchNorm1d)]
+
+def window_learner(n, bs, size, mode='window', n_bn=3, lr=0.05, cbs=(), **kw):
+    ds = make_data(n)
+    return make_learner(ds, bs, model=Net(n_bn=n_bn), lr=lr, dtype=torch.float64,
+                        cbs=[GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation(mode), *cbs], **kw)
+
+def fit(learn, n=1):
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(n)
+
+@pytest.mark.parametrize('n,bs,size', [(48, 16, 4), (46, 16, 5), (30, 12, 7)])   # even, uneven pieces, a partial last batch
+def test_every_step_is_the_large_batch(n, bs, size):
+    spy = StepGrads()
+    learn = window_learner(n, bs, size, cbs=[spy])
+    fit(learn, 2)
+    assert len(spy.errs) == 2*-(-n//bs)
+    assert max(spy.errs) < GRAD_TOL, spy.errs
+
+def test_running_stats_are_the_large_batch():
+    "lr=0: the weights stay, and each window's update is the large batch's (momentum 0.1 and None)"
+    for mom in (0.1, None):
+        ds = make_data(40)
+        a = make_learner(ds, 10, model=Net(momentum=mom), lr=0., dtype=torch.float64,
+                         cbs=[GradientAccumulation(n_step=1), MicroBatching(3), BatchNormAccumulation('window')])
+        b = make_learner(ds, 10, model=Net(momentum=mom), lr=0., dtype=torch.float64)
+        fit(a, 2); fit(b, 2)
+        for k,v in b.model.state_dict().items():
+            if 'running' in k or 'num_batches' in k: assert rel_err(a.model.state_dict()[k].double(), v.double()) < STATS_TOL, k
+
+def test_without_the_mode_steps_differ():
+    "The contract can fail: plain accumulation (ghost batch norm) on the same cut is far from the large batch"
+    spy = StepGrads()
+    ds = make_data(32)
+    learn = make_learner(ds, 16, model=Net(), lr=0.05, dtype=torch.float64,
+                         cbs=[GradientAccumulation(n_step=1), MicroBatching(4), spy])
+    fit(learn)
+    assert min(spy.errs) > 1e-3
+
+def test_approx_keeps_window_forward():
+    "'window-approx': the forward is the large batch's (same loss), the gradient near it but not exact"
+    spy = StepGrads()
+    learn = window_learner(48, 16, 4, mode='window-approx', cbs=[spy])
+    fit(learn)
+    assert learn.batch_norm_accumulation.window_variant == 'approx'
+    assert 1e-10 < max(spy.errs) < 0.5
+
+def test_deep_net_falls_back_and_says_so():
+    learn = window_learner(32, 16, 8, n_bn=WINDOW_EXACT_MAX_LAYERS+1)
+    with pytest.warns(UserWarning, match='approximate variant is in force'): learn.fit(1)
+
+def test_refuses_what_it_cannot_measure():
+    ds = make_data(32)
+    learn = make_learner(ds, 8, model=Net(), cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('window')])
+    with pytest.raises(ValueError, match='MicroBatching'): learn.fit(1)
+    learn = make_learner(ds, 8, model=Net(), cbs=[GradientAccumulation(n_step=2), MicroBatching(4), BatchNormAccumulation('window')])
+    with pytest.raises(ValueError, match='several loader batches'): learn.fit(1)
