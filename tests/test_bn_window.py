@@ -103,3 +103,55 @@ def test_refuses_what_it_cannot_measure():
     with pytest.raises(ValueError, match='MicroBatching'): learn.fit(1)
     learn = make_learner(ds, 8, model=Net(), cbs=[GradientAccumulation(n_step=2), MicroBatching(4), BatchNormAccumulation('window')])
     with pytest.raises(ValueError, match='several loader batches'): learn.fit(1)
+
+def test_check_says_exact_for_the_exact_variant():
+    learn = window_learner(48, 16, 4)
+    rep = learn.check_accumulation()
+    assert rep.exact and rep.rel_error < GRAD_TOL, rep
+    approx = window_learner(48, 16, 4, mode='window-approx').check_accumulation()
+    assert not approx.exact and 'batchnorm' in approx.causes, approx
+    pool = window_learner(48, 16, 4, mode='pool').check_accumulation()
+    assert not pool.exact and 'batchnorm' in pool.causes   # the check can say NOT exact on the same cut
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(9, 40), bs=st.integers(4, 16), size=st.integers(2, 8), n_bn=st.integers(1, 3), seed=st.integers(0, 3))
+def test_any_cut_is_the_large_batch(n, bs, size, n_bn, seed):
+    "Any number of items, loader batch and micro-batch size (uneven pieces, a partial last window), 1 to 3 BN layers"
+    if n % bs == 1 or min(bs, n % bs or bs) < 2: return   # (a BatchNorm cannot train on one item, large batch or not)
+    spy = StepGrads()
+    ds = make_data(n, seed=seed)
+    learn = make_learner(ds, bs, model=Net(n_bn=n_bn, seed=seed), lr=0.05, dtype=torch.float64,
+                         cbs=[GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation('window'), spy])
+    fit(learn)
+    assert spy.errs and max(spy.errs) < GRAD_TOL, spy.errs
+
+class Boom(Exception): pass
+class RaiseAt(Callback):
+    "Raises at the `at`-th training micro-batch (a window in progress), as a crash would"
+    order = 99
+    def __init__(self, at): self.at,self.k = at,0
+    def after_batch(self):
+        if self.training:
+            self.k += 1
+            if self.k == self.at: raise Boom('the run is cut here')
+
+def test_resume_is_bitwise(tmp_path):
+    from accum_callback import Checkpoint
+    def make(*cbs): return window_learner(40, 12, 5, cbs=[Checkpoint(tmp_path/'ck', batches=1), *cbs])
+    ref = window_learner(40, 12, 5); fit(ref, 2)
+    cut = make(RaiseAt(7))
+    with warnings.catch_warnings(), pytest.raises(Boom): warnings.simplefilter('ignore'); cut.fit(2)
+    again = make(); fit(again, 2)
+    for (k,a),b in zip(ref.model.state_dict().items(), again.model.state_dict().values()): assert torch.equal(a, b), k
+
+def test_window_state_round_trip():
+    "A checkpoint between a window's micro-batches carries its statistics: loaded, the forward normalises alike"
+    torch.manual_seed(0)
+    m = Net().double(); x = torch.randn(12, 5, dtype=torch.float64)
+    bn = [l for l in m.modules() if isinstance(l, nn.BatchNorm1d)]
+    a = WindowStats(bn, exact=True)
+    a.prepare(3, lambda j: m(x[4*j:4*j+4]).square().mean())
+    a.on = True; out = m(x[:4]); st = a.state(); a.remove()
+    b = WindowStats(bn, exact=True); b.load_state(st); b.on = True
+    assert torch.equal(m(x[:4]), out); b.remove()
+    assert not torch.equal(m(x[:4]), out)   # (without the window's statistics: the micro-batch's own)
