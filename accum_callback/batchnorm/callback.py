@@ -173,6 +173,10 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     'freeze': BatchNorm layers use their running statistics in training too; affine parameters train if `train_affine`.
     'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
     'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit.
+    'window': every micro-batch is normalised with its whole window's statistics and its backward takes the window's
+      sums (`window_stats`): each step's gradient and the running statistics are the large batch's; past
+      `WINDOW_EXACT_MAX_LAYERS` layers the approximate variant ('window-approx': the backward's statistics terms from
+      the micro-batch's own sums), said at fit start. A window is one loader batch cut by `MicroBatching(size)`.
     `precise=N` (any mode but 'freeze'): at the end of every training epoch (before validation, so at the end of fit too)
     every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
     exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md).
