@@ -232,6 +232,8 @@ class WindowMode:
     def refuse(learn, mode:str):
         "Before anything is set up: the windows this mode can measure (one loader batch cut by `MicroBatching`), no DDP"
         from ..window.accumulate import GradientAccumulation
+        from .norm_layers import is_batchnorm
+        if not any(is_batchnorm(m) for m in learn.model.modules()): return   # (nothing to measure: said at fit start)
         ga = next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
         mb = micro_batching(learn)
         fix = ("load a window as one loader batch and cut it: `bs=<window's items>` in the loaders, `MicroBatching(<micro-batch "
