@@ -11,10 +11,11 @@ backward from the loss to layer L only (`torch.autograd.grad` to a probe), with 
 `WindowStats` is the machinery (used by the mode and by `check_accumulation`'s replay), `WindowMode` the mode of
 `BatchNormAccumulation`."""
 from __future__ import annotations
-import warnings
+import contextlib, warnings
 
 import torch
 from torch import nn
+from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs
 
 from ..compat.torch import rngs_kept
@@ -272,7 +273,15 @@ class WindowMode:
         i = getattr(learn.dls, 'n_inp', 1)   # (as fastai's loop splits a batch)
         xys = [(tuple(q[:i]), tuple(q[i:])) for q in (slice_batch(b, s, e) for s,e in piece_bounds(find_bs(b), self.mb.size))]
         summed,self._refv = loss_reduction(learn.loss_func) == 'sum',None
-        ws.prepare(len(xys), lambda j: _weighted_loss(learn, ga, *xys[j], None if summed else self._ref(xys)))
+        # as the training forward and backward run: under `MixedPrecision`'s autocast, the loss scaled by its scaler
+        mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+        ctx = mp.autocast if getattr(mp, 'autocast', None) is not None else contextlib.nullcontext()
+        scaler = getattr(learn, 'scaler', None) if mp is not None else None
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.
+        def run(j):
+            with ctx: loss = _weighted_loss(learn, ga, *xys[j], None if summed else self._ref(xys))
+            return loss if scale == 1. else loss*scale
+        ws.prepare(len(xys), run)
     def _ref(self, xys):
         "The window's loss-scale reference: its first micro-batch's count (`Window.reference`)"
         if self._refv is None:
