@@ -25,7 +25,8 @@ from ..micro import micro_batching
 from ..micro.pieces import piece_bounds, slice_batch
 from .precise import pooled_moments
 
-__all__ = ['WINDOW_MODES', 'WINDOW_EXACT_MAX_LAYERS', 'WindowStats', 'WindowMode', 'window_bn_layers', 'window_is_exact']
+__all__ = ['WINDOW_MODES', 'WINDOW_EXACT_MAX_LAYERS', 'WindowStats', 'WindowMode', 'window_bn_layers',
+           'window_is_exact']
 
 WINDOW_MODES = ('window', 'window-approx')
 WINDOW_EXACT_MAX_LAYERS = 8   # 'window' is exact up to this many BatchNorm layers, then the approximate variant
@@ -36,8 +37,8 @@ def window_bn_layers(model)->list:
     from .norm_layers import is_batchnorm
     bns = [m for m in model.modules() if is_batchnorm(m)]
     other = sorted({type(m).__name__ for m in bns if type(m) not in _PLAIN})
-    if other: raise ValueError(f"BatchNormAccumulation('window'): only torch's BatchNorm1d/2d/3d are normalised with the window's "
-                               f"statistics, and the model has {', '.join(other)}: use mode='pool' for it")
+    if other: raise ValueError(f"BatchNormAccumulation('window'): only torch's BatchNorm1d/2d/3d are normalised with "
+                               f"the window's statistics, and the model has {', '.join(other)}: use mode='pool' for it")
     return bns
 
 def window_is_exact(mode:str, n_layers:int)->bool:
@@ -46,17 +47,22 @@ def window_is_exact(mode:str, n_layers:int)->bool:
 
 class _Stop(Exception): "The layer being measured is reached: the rest of the forward is not needed"
 
+class _Collect:
+    "A statistics pass: the layer it measures (the first the forward reaches without statistics) and its micro-batches'"
+    def __init__(self): self.layer,self.parts = None,[]   # parts: (items, mean, m2) per micro-batch
+
 class _Layer:
     "One BatchNorm layer's window state: statistics (float64), the backward sums, and what the passes collect"
     def __init__(self, bn):
         self.bn,self.mean,self.invstd,self.var,self.n = bn,None,None,None,0.
         self.sum_dy = self.sum_dyx = None   # the window's sums (exact variant)
-        self.parts,self.acc,self.calls = [],None,0
+        self.acc,self.calls,self.x,self.m2 = None,0,None,None
     def shape(self, x): return (1, -1) + (1,)*(x.ndim-2)
 
 class _WindowBN(torch.autograd.Function):
     """y = (x - mean)*invstd*weight + bias with the window's mean and invstd; backward as `SyncBatchNorm`'s: dx =
-    (dy - sum_dy/N - xhat*sum_dy_xhat/N)*invstd*weight, with the window's sums (exact) or the micro-batch's own (approx)"""
+    (dy - sum_dy/N - xhat*sum_dy_xhat/N)*invstd*weight, with the window's sums (exact) or the micro-batch's own
+    (approx)"""
     @staticmethod
     def forward(ctx, x, weight, bias, probe, layer, exact):
         sh = layer.shape(x)
@@ -103,8 +109,8 @@ class WindowStats:
         def pre(bn, inp):
             if not (bn.training and (self.on or self.collect is not None)): return
             L.calls += self.preparing   # (counted in the window's passes, which run the training forward)
-            if L.calls > 1: raise ValueError("BatchNormAccumulation('window'): a BatchNorm layer runs more than once in a "
-                                             "forward, which the window's statistics do not cover: use mode='pool'")
+            if L.calls > 1: raise ValueError("BatchNormAccumulation('window'): a BatchNorm layer runs more than once "
+                                             "in a forward, which the window's statistics do not cover: use mode='pool'")
             x = inp[0]
             if self.collect is not None and L not in self.measured:   # the first layer without statistics: measure it
                 with torch.no_grad():
@@ -143,7 +149,7 @@ class WindowStats:
         try:
             with rngs_kept():
                 while len(self.measured) < len(self.layers):
-                    self.collect = type('Collect', (), {})(); self.collect.parts,self.collect.layer = [],None
+                    self.collect = _Collect()
                     for j in range(k): self._forward(run, j)
                     self.passes += 1
                     L,parts,self.collect = self.collect.layer,self.collect.parts,None
@@ -157,7 +163,8 @@ class WindowStats:
                         try:
                             for j in range(k):
                                 loss = self._forward(run, j, grad=True)
-                                if loss is not None and loss.requires_grad: torch.autograd.grad(loss, [probe], allow_unused=True)
+                                if loss is not None and loss.requires_grad:
+                                    torch.autograd.grad(loss, [probe], allow_unused=True)   # (to layer L only)
                             self.passes += 1
                         finally: self.probe = None
                         L.sum_dy,L.sum_dyx,L.acc = L.acc[0],L.acc[1],None
@@ -166,7 +173,8 @@ class WindowStats:
 
     def _set_stats(self, L, parts):
         n = torch.tensor([float(p[0]) for p in parts], dtype=torch.float64, device=parts[0][1].device)[:, None]
-        tot,mu,m2 = pooled_moments(n.expand(-1, parts[0][1].numel()), torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts]))
+        means,m2s = torch.stack([p[1] for p in parts]),torch.stack([p[2] for p in parts])
+        tot,mu,m2 = pooled_moments(n.expand(-1, means.shape[1]), means, m2s)
         L.n,L.mean = float(tot[0]),mu
         L.var = m2/tot
         L.invstd = (L.var + L.bn.eps).rsqrt()
@@ -190,7 +198,8 @@ class WindowStats:
         if not self.ready: return None
         idx = {id(L): i for i,L in enumerate(self.layers)}
         return dict(order=[idx[id(L)] for L in self.order],
-                    stats=[[L.mean, L.var, L.m2, torch.tensor(L.n, dtype=torch.float64), L.sum_dy, L.sum_dyx] for L in self.order])
+                    stats=[[L.mean, L.var, L.m2, torch.tensor(L.n, dtype=torch.float64), L.sum_dy, L.sum_dyx]
+                           for L in self.order])
     def load_state(self, st:dict|None):
         self.ready,self.order = False,[]
         if st is None: return
@@ -215,7 +224,8 @@ def _weighted_loss(learn, ga, xb, yb, ref):
 
 class _Batch:
     "The Learner as a micro-batch's `n_items` reads it: its xb, yb, pred and loss those of the micro-batch given"
-    def __init__(self, learn, xb, yb, pred, loss): self.__dict__.update(_learn=learn, xb=xb, yb=yb, pred=pred, loss=loss, loss_grad=loss)
+    def __init__(self, learn, xb, yb, pred, loss):
+        self.__dict__.update(_learn=learn, xb=xb, yb=yb, pred=pred, loss=loss, loss_grad=loss)
     def __getattr__(self, k): return getattr(self.__dict__['_learn'], k)
 
 class WindowMode:
@@ -237,26 +247,28 @@ class WindowMode:
         if not any(is_batchnorm(m) for m in learn.model.modules()): return   # (nothing to measure: said at fit start)
         ga = next((cb for cb in learn.cbs if isinstance(cb, GradientAccumulation)), None)
         mb = micro_batching(learn)
-        fix = ("load a window as one loader batch and cut it: `bs=<window's items>` in the loaders, `MicroBatching(<micro-batch "
-               "size>)` and `GradientAccumulation(n_step=1)`")
+        fix = ("load a window as one loader batch and cut it: `bs=<window's items>` in the loaders, "
+               "`MicroBatching(<micro-batch size>)` and `GradientAccumulation(n_step=1)`")
         if mb is None or mb.auto or not mb.size:
-            raise ValueError(f"BatchNormAccumulation({mode!r}) measures the window's statistics at its start, so it needs its "
-                             f"micro-batches then: {fix}" + (" (a fixed size, not 'auto')" if mb is not None and mb.auto else ""))
+            auto = " (a fixed size, not 'auto')" if mb is not None and mb.auto else ""
+            raise ValueError(f"BatchNormAccumulation({mode!r}) measures the window's statistics at its start, so it "
+                             f"needs its micro-batches then: {fix}{auto}")
         bs = getattr(learn.dls.train, 'bs', None)
         if ga is not None and bs and ga.plan.units(0, bs) != 1:
-            raise ValueError(f"BatchNormAccumulation({mode!r}): a window of several loader batches cannot be measured at its "
-                             f"start: {fix}")
+            raise ValueError(f"BatchNormAccumulation({mode!r}): a window of several loader batches cannot be measured "
+                             f"at its start: {fix}")
         if is_distributed(learn.model):
             raise ValueError(f"BatchNormAccumulation({mode!r}) is not implemented under DDP yet: use mode='pool'")
 
     def start(self, bns):
         bns = window_bn_layers(self.cb.model)
         exact = window_is_exact(self.cb.mode, len(bns))
-        self.variant = self.cb.window_variant = 'exact' if exact else 'approx'   # (the callback keeps saying it after fit)
+        self.variant = self.cb.window_variant = 'exact' if exact else 'approx'   # (the callback says it after fit)
         if self.cb.mode == 'window' and not exact:
-            warnings.warn(f"BatchNormAccumulation('window'): {len(bns)} BatchNorm layers, more than {WINDOW_EXACT_MAX_LAYERS}: the "
-                          "approximate variant is in force (window statistics in the forward; the backward's statistics terms "
-                          "from each micro-batch's own sums), as 'window-approx'", stacklevel=4)
+            warnings.warn(f"BatchNormAccumulation('window'): {len(bns)} BatchNorm layers, more than "
+                          f"{WINDOW_EXACT_MAX_LAYERS}: the approximate variant is in force (window statistics in the "
+                          "forward; the backward's statistics terms from each micro-batch's own sums), as 'window-approx'",
+                          stacklevel=4)
         self.ws = WindowStats(bns, exact)
         self.mb = micro_batching(self.cb.learn)
 
@@ -267,11 +279,12 @@ class WindowMode:
         ws.on = True
         if p is None or p.start != 0: return
         if ga.window.n_micro or ga.window.n_units != 1:
-            raise RuntimeError(f"BatchNormAccumulation({self.cb.mode!r}): a window of several loader batches cannot be measured "
-                               "at its start: accumulate one loader batch a window (GradientAccumulation(n_step=1))")
+            raise RuntimeError(f"BatchNormAccumulation({self.cb.mode!r}): a window of several loader batches cannot be "
+                               "measured at its start: accumulate one loader batch a window (GradientAccumulation(n_step=1))")
         b = self.mb.loader.batch
         i = getattr(learn.dls, 'n_inp', 1)   # (as fastai's loop splits a batch)
-        xys = [(tuple(q[:i]), tuple(q[i:])) for q in (slice_batch(b, s, e) for s,e in piece_bounds(find_bs(b), self.mb.size))]
+        pieces = [slice_batch(b, s, e) for s,e in piece_bounds(find_bs(b), self.mb.size)]
+        xys = [(tuple(q[:i]), tuple(q[i:])) for q in pieces]
         summed,self._refv = loss_reduction(learn.loss_func) == 'sum',None
         # as the training forward and backward run: under `MixedPrecision`'s autocast, the loss scaled by its scaler
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
