@@ -21,8 +21,8 @@ class Net(nn.Module):
     def __init__(self, n_in=5, n_bn=3, momentum=0.1, seed=0):
         super().__init__(); torch.manual_seed(seed)
         self.inp = nn.Linear(n_in, 16)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.BatchNorm1d(16, momentum=momentum), nn.ReLU(inplace=True), nn.Linear(16, 16))
-                                     for _ in range(n_bn-1)])
+        def blk(): return nn.Sequential(nn.BatchNorm1d(16, momentum=momentum), nn.ReLU(inplace=True), nn.Linear(16, 16))
+        self.blocks = nn.ModuleList([blk() for _ in range(n_bn-1)])
         self.bn3 = nn.BatchNorm1d(4, momentum=momentum)
         self.out = nn.Linear(16, 3)
     def forward(self, x):
@@ -32,7 +32,7 @@ class Net(nn.Module):
         return self.out(h)
 
 class StepGrads(Callback):
-    "Each optimizer step's gradient against the large batch's: the model and the loader batch kept at the window's start"
+    "Each optimizer step's gradient against the large batch's, from the model and loader batch of the window's start"
     order = GradientAccumulation.order+2   # after the accumulation's `before_step` scaled the window's gradient
     def before_fit(self): self.errs,self.start = [],None
     def before_batch(self):
@@ -47,17 +47,18 @@ class StepGrads(Callback):
         ref = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
         got = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
         self.errs.append(rel_err(got, ref))
-        self.big_running = [(b.running_mean.clone(), b.running_var.clone()) for b in m.modules() if isinstance(b, nn.BatchNorm1d)]
 
 def window_learner(n, bs, size, mode='window', n_bn=3, lr=0.05, cbs=(), **kw):
     ds = make_data(n)
     return make_learner(ds, bs, model=Net(n_bn=n_bn), lr=lr, dtype=torch.float64,
-                        cbs=[GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation(mode), *cbs], **kw)
+                        cbs=[GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation(mode), *cbs],
+                        **kw)
 
 def fit(learn, n=1):
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(n)
 
-@pytest.mark.parametrize('n,bs,size', [(48, 16, 4), (46, 16, 5), (30, 12, 7)])   # even, uneven pieces, a partial last batch
+# even pieces; uneven pieces; uneven and a partial last batch
+@pytest.mark.parametrize('n,bs,size', [(48, 16, 4), (46, 16, 5), (30, 12, 7)])
 def test_every_step_is_the_large_batch(n, bs, size):
     spy = StepGrads()
     learn = window_learner(n, bs, size, cbs=[spy])
@@ -74,7 +75,8 @@ def test_running_stats_are_the_large_batch():
         b = make_learner(ds, 10, model=Net(momentum=mom), lr=0., dtype=torch.float64)
         fit(a, 2); fit(b, 2)
         for k,v in b.model.state_dict().items():
-            if 'running' in k or 'num_batches' in k: assert rel_err(a.model.state_dict()[k].double(), v.double()) < STATS_TOL, k
+            if 'running' in k or 'num_batches' in k:
+                assert rel_err(a.model.state_dict()[k].double(), v.double()) < STATS_TOL, k
 
 def test_without_the_mode_steps_differ():
     "The contract can fail: plain accumulation (ghost batch norm) on the same cut is far from the large batch"
@@ -101,7 +103,8 @@ def test_refuses_what_it_cannot_measure():
     ds = make_data(32)
     learn = make_learner(ds, 8, model=Net(), cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('window')])
     with pytest.raises(ValueError, match='MicroBatching'): learn.fit(1)
-    learn = make_learner(ds, 8, model=Net(), cbs=[GradientAccumulation(n_step=2), MicroBatching(4), BatchNormAccumulation('window')])
+    learn = make_learner(ds, 8, model=Net(),
+                         cbs=[GradientAccumulation(n_step=2), MicroBatching(4), BatchNormAccumulation('window')])
     with pytest.raises(ValueError, match='several loader batches'): learn.fit(1)
 
 def test_check_says_exact_for_the_exact_variant():
@@ -114,14 +117,16 @@ def test_check_says_exact_for_the_exact_variant():
     assert not pool.exact and 'batchnorm' in pool.causes   # the check can say NOT exact on the same cut
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(9, 40), bs=st.integers(4, 16), size=st.integers(2, 8), n_bn=st.integers(1, 3), seed=st.integers(0, 3))
+@given(n=st.integers(9, 40), bs=st.integers(4, 16), size=st.integers(2, 8), n_bn=st.integers(1, 3),
+       seed=st.integers(0, 3))
 def test_any_cut_is_the_large_batch(n, bs, size, n_bn, seed):
     "Any number of items, loader batch and micro-batch size (uneven pieces, a partial last window), 1 to 3 BN layers"
     if n % bs == 1 or min(bs, n % bs or bs) < 2: return   # (a BatchNorm cannot train on one item, large batch or not)
     spy = StepGrads()
     ds = make_data(n, seed=seed)
     learn = make_learner(ds, bs, model=Net(n_bn=n_bn, seed=seed), lr=0.05, dtype=torch.float64,
-                         cbs=[GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation('window'), spy])
+                         cbs=[GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation('window'),
+                              spy])
     fit(learn)
     assert spy.errs and max(spy.errs) < GRAD_TOL, spy.errs
 

@@ -109,8 +109,9 @@ class WindowStats:
         def pre(bn, inp):
             if not (bn.training and (self.on or self.collect is not None)): return
             L.calls += self.preparing   # (counted in the window's passes, which run the training forward)
-            if L.calls > 1: raise ValueError("BatchNormAccumulation('window'): a BatchNorm layer runs more than once "
-                                             "in a forward, which the window's statistics do not cover: use mode='pool'")
+            if L.calls > 1: raise ValueError("BatchNormAccumulation('window'): a BatchNorm layer runs more than "
+                                             "once in a forward, which the window's statistics do not cover: use "
+                                             "mode='pool'")
             x = inp[0]
             if self.collect is not None and L not in self.measured:   # the first layer without statistics: measure it
                 with torch.no_grad():
@@ -267,7 +268,8 @@ class WindowMode:
         if self.cb.mode == 'window' and not exact:
             warnings.warn(f"BatchNormAccumulation('window'): {len(bns)} BatchNorm layers, more than "
                           f"{WINDOW_EXACT_MAX_LAYERS}: the approximate variant is in force (window statistics in the "
-                          "forward; the backward's statistics terms from each micro-batch's own sums), as 'window-approx'",
+                          "forward; the backward's statistics terms from each micro-batch's own sums), as "
+                          "'window-approx'",
                           stacklevel=4)
         self.ws = WindowStats(bns, exact)
         self.mb = micro_batching(self.cb.learn)
@@ -280,7 +282,8 @@ class WindowMode:
         if p is None or p.start != 0: return
         if ga.window.n_micro or ga.window.n_units != 1:
             raise RuntimeError(f"BatchNormAccumulation({self.cb.mode!r}): a window of several loader batches cannot be "
-                               "measured at its start: accumulate one loader batch a window (GradientAccumulation(n_step=1))")
+                               "measured at its start: accumulate one loader batch a window "
+                               "(GradientAccumulation(n_step=1))")
         b = self.mb.loader.batch
         i = getattr(learn.dls, 'n_inp', 1)   # (as fastai's loop splits a batch)
         pieces = [slice_batch(b, s, e) for s,e in piece_bounds(find_bs(b), self.mb.size)]
