@@ -26,14 +26,16 @@ def mlp(n_users=943, n_items=1682, seed=0):
 def conv(seed=0):
     torch.manual_seed(seed)
     def blk(ni, nf, s): return nn.Sequential(nn.Conv2d(ni, nf, 3, s, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU())
-    return nn.Sequential(blk(3, 16, 1), blk(16, 32, 2), blk(32, 64, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    return nn.Sequential(blk(3, 16, 1), blk(16, 32, 2), blk(32, 64, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(64, 10))
 
 def data(task, n, px):
     g = torch.Generator().manual_seed(0)
     if task == 'collab':
         x = torch.stack([torch.randint(0, 943, (n,), generator=g), torch.randint(0, 1682, (n,), generator=g)], 1)
         return TensorDataset(x, torch.rand(n, 1, generator=g)*5),F.mse_loss
-    return TensorDataset(torch.randn(n, 3, px, px, generator=g), torch.randint(0, 10, (n,), generator=g)),F.cross_entropy
+    x,y = torch.randn(n, 3, px, px, generator=g),torch.randint(0, 10, (n,), generator=g)
+    return TensorDataset(x, y),F.cross_entropy
 
 class Timer:
     "Training time of the epoch (no validation), synchronised on a GPU"
@@ -75,8 +77,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cuda = a.device.startswith('cuda')
     if not cuda: torch.set_num_threads(1)
-    sizes = dict(collab=dict(b=16, k=4, n=(64*200 if cuda else 64*40), px=0), conv=dict(b=(32 if cuda else 8), k=4, n=(32*4*50 if cuda else 8*4*10), px=(32 if cuda else 16)))
-    print(f"- machine: {machine()}\n- command: `python bench/bn_window_cost.py --device {a.device} --repeats {a.repeats}`\n")
+    sizes = dict(collab=dict(b=16, k=4, n=(64*200 if cuda else 64*40), px=0),
+                 conv=dict(b=(32 if cuda else 8), k=4, n=(32*4*50 if cuda else 8*4*10), px=(32 if cuda else 16)))
+    print(f"- machine: {machine()}\n- command: `python bench/bn_window_cost.py --device {a.device} "
+          f"--repeats {a.repeats}`\n")
     print("| model | measure | ratio (median ± spread over rounds) |\n|---|---|---|")
     for task,sz in sizes.items():
         ls = {m or 'plain': learner(task, m, sz['b'], sz['k'], sz['n'], sz['px'], a.device) for m in (None, *MODES)}
@@ -85,6 +89,7 @@ def main(argv=None):
         for m in MODES:
             if m in errs: print(f"| {label} | `{m}` / plain accumulation | {errs[m]} |"); continue
             r,noise = summary([x/y for x,y in zip(t[m], t['plain'])])
-            print(f"| {label} | time/epoch `BatchNormAccumulation('{m}')` / plain accumulation | {r:.2f} ± {noise:.2f} |")
+            what = f"time/epoch `BatchNormAccumulation('{m}')` / plain accumulation"
+            print(f"| {label} | {what} | {r:.2f} ± {noise:.2f} |")
 
 if __name__ == '__main__': main()

@@ -6,8 +6,8 @@ micro-batches with every `BatchNormAccumulation` mode ('none': plain accumulatio
   layers=[100, 50])`, `fit_one_cycle(E, 5e-3, wd=0.1)`, valid MSE;
 - `tabular`: `tabular_learner(layers=[200, 100])` on synthetic census-like data (categorical and continuous columns,
   a nonlinear binary target), `fit_one_cycle(E, 1e-2)`, valid error rate;
-- `conv`: a small conv net from scratch (3 conv + BatchNorm2d blocks) on sklearn's digits (8x8, bundled), `fit_one_cycle(E,
-  1e-2)`, valid error rate.
+- `conv`: a small conv net from scratch (3 conv + BatchNorm2d blocks) on sklearn's digits (8x8, bundled),
+  `fit_one_cycle(E, 1e-2)`, valid error rate.
 
 The large batch is plain fastai at `bs` (64); the micro-batch runs load the same batches and cut each into `bs/micro`
 pieces (`MicroBatching(micro)`, `GradientAccumulation(n_step=1)`): every step the same samples. Prints a markdown table
@@ -67,8 +67,8 @@ def learner(task, mode, bs, micro, seed, subsample):
 def _tab_dls(df, bs, seed):
     from fastai.tabular.all import TabularPandas, Categorify, Normalize, RandomSplitter, CategoryBlock
     splits = RandomSplitter(0.2, seed=seed)(range(len(df)))
-    to = TabularPandas(df, procs=[Categorify, Normalize], cat_names=['c0', 'c1', 'c2', 'c3'], cont_names=['x0', 'x1', 'x2', 'x3'],
-                       y_names='y', y_block=CategoryBlock(), splits=splits)
+    to = TabularPandas(df, procs=[Categorify, Normalize], cat_names=['c0', 'c1', 'c2', 'c3'],
+                       cont_names=['x0', 'x1', 'x2', 'x3'], y_names='y', y_block=CategoryBlock(), splits=splits)
     return to.dataloaders(bs=bs)
 
 def _conv_learner(bs, seed, cbs):
@@ -88,7 +88,8 @@ def _conv_learner(bs, seed, cbs):
                       DataLoader(TensorDataset(x[va], y[va]), bs=256), device='cpu')
     def blk(ni, nf, s): return nn.Sequential(nn.Conv2d(ni, nf, 3, s, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU())
     torch.manual_seed(seed)
-    model = nn.Sequential(blk(1, 16, 1), blk(16, 32, 2), blk(32, 64, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    model = nn.Sequential(blk(1, 16, 1), blk(16, 32, 2), blk(32, 64, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(64, 10))
     return Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=error_rate, cbs=cbs)
 
 def Subsample(frac):
@@ -105,7 +106,8 @@ def Subsample(frac):
             if self.n > self.stop: raise CancelTrainException()
     return _Sub()
 
-PARAMS = dict(collab=dict(lr=5e-3, wd=0.1, metric='valid MSE'), tabular=dict(lr=1e-2, wd=None, metric='valid error rate'),
+PARAMS = dict(collab=dict(lr=5e-3, wd=0.1, metric='valid MSE'),
+              tabular=dict(lr=1e-2, wd=None, metric='valid error rate'),
               conv=dict(lr=1e-2, wd=None, metric='valid error rate'))
 
 def run(task, mode, bs, micro, seed, epochs, subsample):
@@ -116,7 +118,7 @@ def run(task, mode, bs, micro, seed, epochs, subsample):
         warnings.simplefilter('ignore')
         learn.fit_one_cycle(epochs, p['lr'], **({'wd': p['wd']} if p['wd'] is not None else {}))
     v = learn.recorder.values[-1]
-    return (v[0] if task == 'collab' else v[1]),time.perf_counter()-t0
+    return (v[1] if task == 'collab' else v[2]),time.perf_counter()-t0   # (values: train loss, valid loss, metrics)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -133,12 +135,14 @@ def main(argv=None):
     res = {m: [run(a.task, m, a.bs, a.micro, s, a.epochs, a.subsample) for s in range(a.seeds)] for m in modes}
     base = np.mean([v for v,_ in res['large']]) if 'large' in res else None
     metric = PARAMS[a.task]['metric']
-    print(f"task {a.task}: bs {a.bs}, micro-batches {a.micro} x {a.bs//a.micro}, {a.epochs} epochs"
-          f"{'' if a.subsample == 1 else f' of {a.subsample:.0%} of the training set each'}, {a.seeds} seeds; {metric}\n")
+    sub = '' if a.subsample == 1 else f' of {a.subsample:.0%} of the training set each'
+    print(f"task {a.task}: bs {a.bs}, micro-batches {a.micro} x {a.bs//a.micro}, {a.epochs} epochs{sub}, "
+          f"{a.seeds} seeds; {metric}\n")
     print(f"| mode | {metric} (mean over seeds) | per seed | / large batch | time/run s |\n|---|---|---|---|---|")
     for m,rs in res.items():
         vs = [v for v,_ in rs]; mean = float(np.mean(vs))
         ratio = f'{mean/base:.3f}' if base else '—'
-        print(f"| {m} | {mean:.4f} | {', '.join(f'{v:.4f}' for v in vs)} | {ratio} | {np.mean([t for _,t in rs]):.1f} |")
+        per,secs = ', '.join(f'{v:.4f}' for v in vs),np.mean([t for _,t in rs])
+        print(f"| {m} | {mean:.4f} | {per} | {ratio} | {secs:.1f} |")
 
 if __name__ == '__main__': main()
