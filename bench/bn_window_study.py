@@ -117,8 +117,9 @@ def run(task, mode, bs, micro, seed, epochs, subsample):
     with warnings.catch_warnings(), learn.no_bar(), learn.no_logging():
         warnings.simplefilter('ignore')
         learn.fit_one_cycle(epochs, p['lr'], **({'wd': p['wd']} if p['wd'] is not None else {}))
-    v = learn.recorder.values[-1]
-    return (v[1] if task == 'collab' else v[2]),time.perf_counter()-t0   # (values: train loss, valid loss, metrics)
+    secs = time.perf_counter()-t0
+    with learn.no_bar(), learn.no_logging(): v = learn.validate()   # (valid loss, metrics: the final model's)
+    return (v[0] if task == 'collab' else v[1]),secs
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
