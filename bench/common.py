@@ -54,6 +54,15 @@ def learner(model, ds, bs, cbs=(), device=None, prebatched=False):
     learn.recorder.train_metrics = False
     return learn
 
+def bn_cut(mode:str, b:int, k:int)->tuple:
+    """(loader batch size, accumulation callbacks) of BatchNorm mode `mode` at micro-batch b x k: the window modes
+    measure a window at its start, so each window is one loader batch of b*k cut by `MicroBatching(b)` (the same
+    samples a step as `GradientAccumulation(n_step=k)` over batches of b)"""
+    from accum_callback import GradientAccumulation, MicroBatching
+    from accum_callback.batchnorm.window_stats import WINDOW_MODES
+    if mode in WINDOW_MODES: return b*k,[GradientAccumulation(n_step=1), MicroBatching(b)]
+    return b,[GradientAccumulation(n_step=k)]
+
 def fit_time(learn)->float:
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     return learn.train_timer.times[-1]

@@ -1,6 +1,6 @@
 """BatchNormAccumulation, the momentum rule and the BatchNorm conversions, each checked against the large-batch run
 (modules `batchnorm`, `bn_stats`: the pooled statistics and their hooks, `norm_layers`, `modes`)"""
-import copy, warnings
+import copy, re, warnings
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback, CancelFitException
@@ -163,7 +163,7 @@ def test_modes_without_gradient_accumulation(mode):
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"`mode` must be one of \('pool', 'momentum', 'freeze', 'groupnorm', 'renorm'\)"):
+    with pytest.raises(ValueError, match=re.escape(f"`mode` must be one of {BN_MODES}")):
         BatchNormAccumulation('ghost')
     with pytest.raises(ValueError, match='num_groups'): BatchNormAccumulation('groupnorm', num_groups=0)
     with pytest.raises(ValueError, match='r_max'): BatchNormAccumulation('renorm', r_max=0.5)

@@ -16,6 +16,7 @@ from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
 from ..core.protocols import CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
 from .modes import BN_MODES
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
+from .window_stats import WINDOW_MODES, WindowMode
 from .pool import PooledStats, RecomputeGuard, accumulated_momentum, pooled_mean_var   # (re-exported)
 from ..core.args import whole_number
 
@@ -156,6 +157,7 @@ class Renorm(_Convert):
         return bn_to_batchrenorm(model, r_max=c.r_max, d_max=c.d_max, warmup=c.warmup, ramp=c.ramp)
 
 MODES = dict(pool=Pool, momentum=Momentum, freeze=Freeze, groupnorm=GroupNorm, renorm=Renorm)
+MODES.update({m: WindowMode for m in WINDOW_MODES})   # the window's own statistics in training (`window_stats`)
 assert tuple(MODES) == BN_MODES
 PRECISE_AT = ('epoch', 'end')   # when `precise` recomputes the statistics
 
@@ -171,6 +173,10 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     'freeze': BatchNorm layers use their running statistics in training too; affine parameters train if `train_affine`.
     'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
     'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit.
+    'window': every micro-batch is normalised with its whole window's statistics and its backward takes the window's
+      sums (`window_stats`): each step's gradient and the running statistics are the large batch's; past
+      `WINDOW_EXACT_MAX_LAYERS` layers the approximate variant ('window-approx': the backward's statistics terms from
+      the micro-batch's own sums), said at fit start. A window is one loader batch cut by `MicroBatching(size)`.
     `precise=N` (any mode but 'freeze'): at the end of every training epoch (before validation, so at the end of fit too)
     every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
     exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md).
@@ -234,6 +240,7 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     def refuse_fit(self):
         "What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to read, a conversion of a sharded model"
         mode = MODES[self.mode]
+        if hasattr(mode, 'refuse') and any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs): mode.refuse(self.learn, self.mode)
         if mode.needs_windows and not any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
             other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)
             raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "

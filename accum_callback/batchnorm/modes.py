@@ -2,4 +2,4 @@
 all take them from here. A module of its own with no imports, so that the command line can offer them before torch loads."""
 __all__ = ['BN_MODES']
 
-BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm')   # `accum_callback.batchnorm.MODES` maps each to its class
+BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm', 'window', 'window-approx')   # `accum_callback.batchnorm.MODES` maps each to its class

@@ -37,9 +37,11 @@ CAUSE_ADVICE = dict(
                 "of the padded batch, so micro-batches padded to other lengths weigh it otherwise than one batch does: "
                 "small and usually harmless; micro_bs (pieces of one loader batch share its padding) or alpha=beta=0 "
                 "give the big batch's gradient",
-    batchnorm="BatchNorm normalises each micro-batch with its own statistics: BatchNormAccumulation('freeze') or "
-              "'groupnorm' give the big batch's gradient; 'pool'/'momentum' keep the running statistics right and train "
-              "on micro-batch statistics (ghost batch norm), usually harmless",
+    batchnorm="BatchNorm normalises each micro-batch with its own statistics: BatchNormAccumulation('window') (each "
+              "window one loader batch cut by MicroBatching) normalises with the window's and gives the big batch's "
+              "gradient (docs/batchnorm.md: its cost, and where it matters: MLPs with BatchNorm1d); 'freeze' or "
+              "'groupnorm' give the big batch's gradient of another model; 'pool'/'momentum' keep the running "
+              "statistics right and train on micro-batch statistics (ghost batch norm), usually harmless for conv nets",
     dropout="dropout (or another layer random in training) draws other masks for micro-batches than for one batch: "
             "expected and harmless, the same distribution",
     checkpoint="BatchNorm runs inside an activation-checkpointed block: the forward recomputed in the backward updates its "
@@ -316,7 +318,7 @@ def _check(learn, batches, model, ga, bna, n_step, where, dl=None)->Accumulation
     rep = AccumulationReport(exact=bool(fa and fb and err <= tol), rel_error=err, tol=tol, dtype=str(dtype).replace('torch.', ''),
                              n_step=n_step, micro_sizes=sizes, worst=_worst(names, psizes, acc, big, tol), reference=ref)
     # BatchNorm recomputed in the backward (checkpointing) counts its statistics twice: named, exact gradient or not
-    recount = r.recomputed_bn and not (bna is not None and bna.mode in ('pool', 'momentum', 'freeze', 'groupnorm'))
+    recount = r.recomputed_bn and not (bna is not None and bna.mode in ('pool', 'momentum', 'freeze', 'groupnorm', 'window', 'window-approx'))
     if rep.exact:
         if recount: rep.causes,rep.advice = ('checkpoint',),{'checkpoint': CAUSE_ADVICE['checkpoint']}
         return rep

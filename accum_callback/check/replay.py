@@ -225,7 +225,7 @@ class Replay:
         for p in m.parameters(): p.grad = None
         lf,finite = self.learn.loss_func,True
         if accumulate:
-            w = Window()
+            w,ws = Window(),self._window_stats(m)
             for xb,yb in self.pieces(m, self.window):
                 pred,loss = self.forward(m, xb, yb)
                 self.loss_dtype = loss.dtype
@@ -234,6 +234,7 @@ class Replay:
                 finite = finite and bool(torch.isfinite(loss).all())
                 with self._watch_recompute(m): (loss*w.loss_weight(n)).backward()
                 w.add(n, find_bs(yb if len(yb) else xb), loss.detach())
+            if ws is not None: ws.remove()
             scale = w.step_scale(w.items)
         else:
             xb,yb = self.joined(self.window)
@@ -245,6 +246,24 @@ class Replay:
         if scale != 1.: flat.mul_(scale)
         # an inf or NaN anywhere makes the norm so
         return Grads(flat, finite and math.isfinite(float(flat.norm())), [n for n,_ in ps], [p.numel() for _,p in ps])
+
+    def _window_stats(self, m):
+        '''BatchNormAccumulation('window') (`batchnorm.window_stats`): the copy's BatchNorm layers normalise the
+        window's micro-batches with the window's statistics, as training does (None for the other modes)'''
+        from ..batchnorm.window_stats import WINDOW_MODES, WindowStats, window_bn_layers, window_is_exact
+        if self.bna is None or self.bna.mode not in WINDOW_MODES: return None
+        bns = window_bn_layers(m)
+        ws,lf,ref = WindowStats(bns, window_is_exact(self.bna.mode, len(bns))),self.learn.loss_func,[]
+        def run(j):
+            xb,yb = self.batches[j]
+            pred,loss = self.forward(m, xb, yb)
+            if loss_reduction(lf) == 'sum': return loss
+            n = self.count(xb, yb, pred, loss)
+            if not ref: ref.append(Window.reference(n))
+            return loss*(n/ref[0])
+        ws.prepare(self.n_window, run)
+        ws.on = True
+        return ws
 
     @contextlib.contextmanager
     def _watch_recompute(self, m):

@@ -63,7 +63,7 @@ class MicroBatches:
     def __iter__(self):
         nb,bs,mb = len(self.dl),self.dl.bs,self.mb
         for bi,(b,last) in enumerate(with_last(self.feed(self.dl)), start=self.feed.skip - (self.feed.first is not None)):
-            n = find_bs(b)
+            n,self.batch = find_bs(b),b   # (`batch`: the loader batch being cut, whose pieces 'window' measures at its start)
             # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
             self._nom = bs if (is_distributed(mb.learn.model) and bs) else None
             p = self.piece = Piece(serial=mb.batch_started(n), batch_n=n, last_batch=last)
