@@ -64,7 +64,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         "Micro-batches a full window takes now (for `target_bs`: at the training loader's batch size)"
         return self.plan.micro_batches(self.window, self.dls.train.bs, micro_batching(self.learn))
 
-    # -- a checkpoint between micro-batches (`accum_callback.checkpoint`) --------------------------------------------
+    # -- a checkpoint between micro-batches (`resume.checkpoint`) --------------------------------------------
     def state_dict(self)->dict:
         "What the rest of the fit needs of this callback: the window in progress, the logs, the schedule's clock"
         return dict(window=self.window.state_dict(), logs=self.logs_state(), **self.plan.state_dict())
