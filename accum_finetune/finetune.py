@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 from fastai.learner import Learner
-import fastai.callback.schedule, fastai.callback.progress   # `fit_one_cycle`, progress bars
+import fastai.callback.schedule, fastai.callback.progress   # noqa: F401  `fit_one_cycle`, progress bars
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.torch_core import find_bs, set_seed
@@ -15,7 +15,7 @@ from fastai.torch_core import find_bs, set_seed
 from accum_callback import GradientAccumulation, BatchNormAccumulation
 from accum_callback.micro import MicroBatching, micro_batching, n_pieces
 from accum_callback.core.distributed import process_count
-from .models import ArchError, DEFAULT_ARCH, create_model, has_batchnorm, load_weights
+from .models import DEFAULT_ARCH, create_model, has_batchnorm, load_weights
 
 __all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn', 'auto_precise',
            'precision_callbacks', 'build_learner', 'Throughput', 'finetune', 'plot_training', 'write_metrics']

@@ -7,7 +7,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
 from ..core.distributed import is_distributed
-from ..core.loaders import Feed, ReadAhead, batch_sizes, can_skip, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
+from ..core.loaders import Feed, ReadAhead, batch_sizes, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
 __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',

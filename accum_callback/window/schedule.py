@@ -4,7 +4,7 @@ import math
 from collections.abc import Mapping
 from numbers import Integral
 
-from ..core.args import NotWholeNumber, flag, whole_number   # (re-exported for code that read them from here)
+from ..core.args import whole_number   # (re-exported for code that read them from here)
 
 __all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started', 'WindowClock']
 
