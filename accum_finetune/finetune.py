@@ -7,15 +7,15 @@ from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 from fastai.learner import Learner
-import fastai.callback.schedule, fastai.callback.progress   # `fit_one_cycle`, progress bars
+import fastai.callback.schedule, fastai.callback.progress   # noqa: F401  `fit_one_cycle`, progress bars
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.torch_core import find_bs, set_seed
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation
-from accum_callback.micro import micro_batching, n_pieces
+from accum_callback.micro import MicroBatching, micro_batching, n_pieces
 from accum_callback.core.distributed import process_count
-from .models import ArchError, DEFAULT_ARCH, create_model, has_batchnorm, load_weights
+from .models import DEFAULT_ARCH, create_model, has_batchnorm, load_weights
 
 __all__ = ['JOB_BN_MODES', 'PRECISIONS', 'resolve_device', 'describe_device', 'resolve_precision', 'auto_bn', 'auto_precise',
            'precision_callbacks', 'build_learner', 'Throughput', 'finetune', 'plot_training', 'write_metrics']
@@ -106,7 +106,7 @@ class Throughput(Callback):
 def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:int=8, bn:str='auto',
                   precision:str='fp32', lr:float=3e-3, seed:int=0, micro_bs:int|str|None=None, cbs=(),
                   bn_precise:int|str|None='auto', precise_at:str='end', effective_bs:int|None=None)->Learner:
-    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step=n_step, micro_bs=micro_bs)`,
+    """A fastai `Learner` of `arch` (from `weights`) on `dls`, with `GradientAccumulation(n_step=n_step)` (and `MicroBatching(micro_bs)`),
     the BatchNorm callback for `bn` ('auto': `auto_bn`), `precision`'s callbacks and `cbs`. Seeds everything from `seed`
     (the loaders' shuffling too), so the same call gives the same run. The micro-batch is `dls.train.bs`, or `micro_bs`
     items of each loader batch ('auto': the fastest that fits; then `bn='auto'` is 'pool', exact at any size found).
@@ -130,15 +130,15 @@ def build_learner(dls, arch:str=DEFAULT_ARCH, *, weights:str|None=None, n_step:i
         raise ValueError(f"`bn_precise`: recomputed statistics need BatchNormAccumulation, and bn={mode!r} "
                          + ("has none" if mode == 'none' else "keeps the statistics frozen") + ": give another `bn`, or no `bn_precise`")
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr,
-                    cbs=[_accumulation(n_step, micro_bs, effective_bs)] + ([BatchNormAccumulation(mode, precise=precise, precise_at=precise_at)] if mode != 'none' else [])
+                    cbs=_accumulation(n_step, micro_bs, effective_bs) + ([BatchNormAccumulation(mode, precise=precise, precise_at=precise_at)] if mode != 'none' else [])
                         + precision_callbacks(precision) + [Throughput()] + list(cbs))
     learn.job = dict(arch=arch, weights=str(weights) if weights else None, pretrained=pretrained, bn=mode, bn_precise=precise,
                      bn_requested=bn, precision=precision, seed=seed, n_step=n_step)
     return learn
 
-def _accumulation(n_step:int, micro_bs, effective_bs:int|None)->GradientAccumulation:
-    if effective_bs is not None and micro_bs is None: return GradientAccumulation(target_bs=effective_bs, global_window=True)
-    return GradientAccumulation(n_step=n_step, micro_bs=micro_bs)
+def _accumulation(n_step:int, micro_bs, effective_bs:int|None)->list:
+    if effective_bs is not None and micro_bs is None: return [GradientAccumulation(target_bs=effective_bs, global_window=True)]
+    return [GradientAccumulation(n_step=n_step)] + ([MicroBatching(micro_bs)] if micro_bs is not None else [])
 
 def finetune(learn:Learner, epochs:int=3, lr:float|None=None, progress:bool=True, cbs=None)->dict:
     "Fine-tune a `build_learner` Learner with one cycle for `epochs` (`cbs`: for this fit, e.g. a `Checkpoint`); return its metrics"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from fastai.learner import Learner
-import fastai.callback.schedule, fastai.callback.progress   # `fit_one_cycle`, progress bars
+import fastai.callback.schedule, fastai.callback.progress   # noqa: F401  `fit_one_cycle`, progress bars
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.torch_core import set_seed

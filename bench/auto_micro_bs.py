@@ -1,4 +1,4 @@
-"""`GradientAccumulation(micro_bs='auto')` on a GPU with its memory capped: the size it finds, and images/s against
+"""`MicroBatching('auto')` on a GPU with its memory capped: the size it finds, and images/s against
 every fixed micro-batch (the best hand-picked one) and against the uncapped loader batch, measured in one run.
 
     python bench/auto_micro_bs.py                        # resnet50, 224px, fp16, loader batch 256, 8 GiB cap
@@ -11,7 +11,7 @@ import argparse, datetime, sys, warnings
 import torch, torchvision
 from fastai.callback.fp16 import MixedPrecision
 
-from accum_callback import GradientAccumulation
+from accum_callback import GradientAccumulation, MicroBatching
 from accum_callback.micro import is_out_of_memory
 from common import CudaSync, fit_time, learner
 
@@ -55,8 +55,8 @@ def main(argv=None):
     fixed = {}
     m = args.bs
     while m >= max(8, args.bs//32):
-        fixed[m],_,_ = fit([GradientAccumulation(micro_bs=m)]); m //= 2
-    auto,mb,msgs = fit([GradientAccumulation(micro_bs='auto')])
+        fixed[m],_,_ = fit([GradientAccumulation(n_step=1), MicroBatching(m)]); m //= 2
+    auto,mb,msgs = fit([GradientAccumulation(n_step=1), MicroBatching('auto')])
     ok = {k: v for k,v in fixed.items() if v}
     best = max(ok, key=ok.get) if ok else None
     label = f'{args.arch} {args.px}px fp16, loader batch {args.bs}, {args.cap_gib:g} GiB cap'

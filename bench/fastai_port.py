@@ -50,6 +50,8 @@ def learner(bs, cbs, seed=0, lr=0.1):
     learn.recorder.train_metrics = False
     return learn
 
+def n_acc(k): "fastai's `n_acc=k`, as `learn.accumulate(n_acc=k)` spells it"; return GradientAccumulation(target_bs=k, partial='carry')
+
 def quiet(f):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore'); return f()
@@ -61,8 +63,7 @@ def main():
     rows = []
     # 1. steps an epoch and effective batch: fastai's n_acc=64 and ours at loader batches of 16, the large batch of 64
     res = {}
-    for name,bs,cbs in (('large batch', 64, []), ("fastai's n_acc=64", 16, [FastaiGA(64)]), ('ours n_acc=64', 16, [GradientAccumulation(n_acc=64)]),
-                        ("ours, positional GradientAccumulation(64)", 16, [GradientAccumulation(64)])):
+    for name,bs,cbs in (('large batch', 64, []), ("fastai's n_acc=64", 16, [FastaiGA(64)]), ('ours n_acc=64', 16, [n_acc(64)])):
         spy = Steps(); learn = learner(bs, cbs + [spy])
         with learn.no_bar(), learn.no_logging(): quiet(lambda: learn.fit_one_cycle(2, 0.1))
         res[name] = (learn, spy)
@@ -72,12 +73,12 @@ def main():
     for name in ("fastai's n_acc=64", 'ours n_acc=64'):
         rows.append((name, 'fit_one_cycle(2, 0.1): final weights against the large batch', f"{rel(weights(res[name][0]), big):.1e}", ''))
     # 2. lr_find: the suggested rates, large batch, fastai's, ours
-    for name,bs,cbs in (('large batch', 64, []), ("fastai's n_acc=64", 16, [FastaiGA(64)]), ('ours n_acc=64', 16, [GradientAccumulation(n_acc=64)])):
+    for name,bs,cbs in (('large batch', 64, []), ("fastai's n_acc=64", 16, [FastaiGA(64)]), ('ours n_acc=64', 16, [n_acc(64)])):
         learn = learner(bs, cbs)
         r = quiet(lambda: learn.lr_find(show_plot=False))
         rows.append((name, 'lr_find valley', f"{r.valley:.2e}", ''))
     # 3. n_acc below the batch: fastai scales the gradient by bs/n_acc, ours steps each batch as it is (and says so)
-    for name,cbs in (("fastai's n_acc=2 at bs 16", [FastaiGA(2)]), ('ours n_acc=2 at bs 16', [GradientAccumulation(n_acc=2)])):
+    for name,cbs in (("fastai's n_acc=2 at bs 16", [FastaiGA(2)]), ('ours n_acc=2 at bs 16', [n_acc(2)])):
         spy = Steps(); learn = learner(16, cbs + [spy])
         with learn.no_bar(), learn.no_logging(): quiet(lambda: learn.fit(1))
         m = learner(16, []); m.model.load_state_dict(learn.model.state_dict())

@@ -14,7 +14,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from accum_callback import GradientAccumulation
 from accum_callback.core.distributed import count_allreduces, count_collectives, fsdp_group_count, held_grad_bytes
 from accum_callback.testing import OutOfMemoryAbove, regression_data
-from helpers import MLP, Float64Smoothing, make_learner
+from helpers import accumulation, MLP, Float64Smoothing, make_learner
 
 LR = 0.1
 
@@ -120,10 +120,10 @@ def train(rank, world_size, sizes, bs=4, n_epoch=2, ga=None, ddp=DDP, tokens=Non
     if shift: ds = TensorDataset(ds.tensors[0]+shift*rank, ds.tensors[1])   # ranks' data (and BatchNorm statistics) differ
     ga = dict(ga or {})
     builtin = ga.pop('fastai_builtin', None)
-    # FSDP2's options: the Learner's (`learn.fsdp_options`), or with `old_spelling` given to GradientAccumulation as in 0.2
-    opts = {} if ga.pop('old_spelling', False) else {k: ga.pop(k) for k in ('sharded_grads', 'gathered_params') if k in ga}
+    # FSDP2's options: the Learner's (`learn.fsdp_options`)
+    opts = {k: ga.pop(k) for k in ('sharded_grads', 'gathered_params') if k in ga}
     if tokens is not None: ga.setdefault('n_items', n_tokens)
-    cbs = [Float64Run()] + ([FastaiGradientAccumulation(builtin)] if builtin else [GradientAccumulation(**ga)] if ga else [])
+    cbs = [Float64Run()] + ([FastaiGradientAccumulation(builtin)] if builtin else [*accumulation(**ga)] if ga else [])
     if bn is not None:
         from accum_callback.batchnorm.callback import BatchNormAccumulation
         cbs.append(BatchNormAccumulation(bn))
@@ -183,7 +183,7 @@ def train_fastai(rank, world_size, n=32, bs=4, n_epoch=2, ga=None, seed=0, drop_
     from accum_callback.core.distributed import gloo_distributed_dl
     x,y = make_data(n, seed=seed)
     spy = DDPSpy(_NullCounter())
-    learn = make_learner(TensorDataset(x, y), bs, cbs=[Float64Run(), GradientAccumulation(**ga), spy],
+    learn = make_learner(TensorDataset(x, y), bs, cbs=[Float64Run(), *accumulation(**ga), spy],
                          model=MLP(n_in=5, n_out=3, seed=seed).double(), lr=LR, drop_last=drop_last)
     learn.add_cb(CountOnceWrapped(spy))
     with gloo_distributed_dl(), learn.distrib_ctx(sync_bn=False, cpu=True), learn.no_bar(), learn.no_logging():

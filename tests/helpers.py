@@ -172,3 +172,11 @@ def lm_learner_factory():
         dls = DataLoaders(LMDataLoader(texts, bs=8, seq_len=6), LMDataLoader(texts[:8], bs=8, seq_len=6), device='cpu')
         return Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.5, cbs=rnn_cbs(2., 1.) + list(cbs))
     return make
+
+def accumulation(micro_bs=None, probe=True, **window)->list:
+    """`GradientAccumulation(**window)`, and beside it `MicroBatching(micro_bs, probe)` where `micro_bs` is given (one
+    step a loader batch unless `window` says otherwise): the test tables' one spelling for both"""
+    from accum_callback import MicroBatching
+    if micro_bs is None: return [GradientAccumulation(**window)]
+    if not window.keys() & {'n_step', 'target_bs'}: window = dict(window, n_step=1)
+    return [GradientAccumulation(**window), MicroBatching(micro_bs, probe)]

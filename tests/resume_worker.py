@@ -19,7 +19,7 @@ from fastai.torch_core import set_seed
 from fastai.callback.schedule import fit_one_cycle, fine_tune  # noqa: F401  (patches Learner)
 
 import accum_callback.resume.checkpoint as C
-from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, GradientNoiseScale
+from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, GradientNoiseScale, MicroBatching
 from accum_callback.testing import OutOfMemoryAbove, regression_data
 
 EVENTS = ('before_batch', 'after_pred', 'after_backward', 'before_step', 'after_step', 'after_batch', 'in_save', 'sigterm_after_backward')
@@ -78,7 +78,7 @@ def learner(config:str, folder:Path, extra=()):
         cbs = [noise, GradientAccumulation(target_bs=noise.schedule(warmup=1, hi=40))]
     elif config == 'auto_oom':
         loss = OutOfMemoryAbove(5)
-        cbs = [GradientAccumulation(n_step=2, micro_bs='auto')]
+        cbs = [GradientAccumulation(n_step=2), MicroBatching('auto')]
     elif config == 'momentum': cbs = [GradientAccumulation(n_step=3), BatchNormAccumulation('momentum')]; opt = Adam
     learn = Learner(dls, BNNet(), loss_func=loss, opt_func=opt, lr=1e-2,
                     cbs=cbs + [Checkpoint(folder, **ckpt)] + list(extra))

@@ -12,7 +12,7 @@ from fastai.optimizer import Adam, SGD
 from torch.amp import GradScaler, autocast
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, GradientNoiseScale, MicroBatching
-from helpers import (MLP, WindowSpy, expected_windows, fit_quiet, flat, grads_clean, make_data, make_dls, make_learner,
+from helpers import (accumulation, MLP, WindowSpy, expected_windows, fit_quiet, flat, grads_clean, make_data, make_dls, make_learner,
                      rel_err)
 
 TOL = 1e-6   # relative error of every step's gradient against the one-large-batch gradient, float64 (float32: `spy.tol`)
@@ -29,14 +29,33 @@ TOL = 1e-6   # relative error of every step's gradient against the one-large-bat
     (dict(target_bs=1.5), TypeError, 'target_bs'),
     (dict(n_step=2, partial='last'), ValueError, 'partial'),
     (dict(n_step=2, partial=3), ValueError, 'partial'),
-    (dict(n_acc=0), ValueError, 'n_acc'),
-    (dict(n_acc=2.5), TypeError, 'n_acc'),
-    (dict(n_acc=8, n_step=2), ValueError, 'exactly one'),
+    (dict(), TypeError, 'n_step=.*target_bs='),
+    (dict(n_acc=8), TypeError, 'n_acc'),
+    (dict(micro_bs=2, n_step=2), TypeError, 'micro_bs'),
+    (dict(n_step=2, sharded_grads=True), TypeError, 'sharded_grads'),
     (dict(n_step=2, n_items=3), TypeError, 'n_items'),
     (dict(n_step=2, skip_nonfinite='yes'), TypeError, 'skip_nonfinite'),
 ])
 def test_bad_arguments_fail_at_construction(kw, exc, match):
     with pytest.raises(exc, match=match): GradientAccumulation(**kw)
+
+def test_the_window_is_named_or_refused_in_one_line():
+    """A positional count is refused naming `n_step=` (fastai's positional count is samples); no window at all, the
+    class given as `cbs=GradientAccumulation` (fastai makes it with no arguments) included, is refused naming both
+    spellings instead of fastai's default of 32 samples"""
+    with pytest.raises(TypeError, match='n_step=') as e: GradientAccumulation(64)
+    assert '\n' not in str(e.value)
+    with pytest.raises(TypeError, match='n_step=.*target_bs=') as e: make_learner(make_data(8), 4, cbs=GradientAccumulation)
+    assert '\n' not in str(e.value)
+    with pytest.raises(TypeError, match='n_step=.*target_bs='): make_learner(make_data(8), 4).accumulate()
+
+@pytest.mark.parametrize('kw,exc,match', [(dict(n_acc=0), ValueError, 'target_bs'), (dict(n_acc=2.5), TypeError, 'target_bs'),
+                                          (dict(n_acc=8, target_bs=8), TypeError, 'n_acc'), (dict(n_acc=8, n_step=2), ValueError, 'exactly one'),
+                                          (dict(micro_bs=0), ValueError, 'size')])
+def test_accumulate_checks_fastai_spellings_before_touching_the_learner(kw, exc, match):
+    learn = make_learner(make_data(8), 4, cbs=[FastaiGA(8)])
+    with pytest.raises(exc, match=match): learn.accumulate(**kw)
+    assert [type(c) for c in learn.cbs if isinstance(c, (GradientAccumulation, FastaiGA))] == [FastaiGA]
 
 def test_accumulate_patch_adds_replaces_and_validates_first():
     learn = make_learner(make_data(20), 4, cbs=FastaiGA(8))
@@ -71,21 +90,20 @@ def _bn_model():
 
 # each case: (the callbacks that train, the one that makes the fit refused, the message, a model with BatchNorm)
 _REFUSED = {
-    'two GradientAccumulation':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: GradientAccumulation(n_step=3), 'GradientAccumulation` callbacks', False),
-    'two MicroBatching':           (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: MicroBatching(4), 'MicroBatching` callbacks', False),
-    'two BatchNormAccumulation':   (lambda: [GradientAccumulation(n_step=2, micro_bs=2), BatchNormAccumulation('freeze')], lambda: BatchNormAccumulation('pool'), 'BatchNormAccumulation` callbacks', True),
-    'two GradientNoiseScale':      (lambda: [GradientAccumulation(n_step=2, micro_bs=2), GradientNoiseScale()], lambda: GradientNoiseScale(), 'GradientNoiseScale` callbacks', False),
-    'MicroBatching, then micro_bs': (lambda: [MicroBatching(4), GradientAccumulation(n_step=2)], lambda: GradientAccumulation(n_step=2, micro_bs=2), 'MicroBatching` callbacks', False),
-    "fastai's beside 'auto'":      (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: FastaiGA(8), 'fastai.callback.training.GradientAccumulation', False),
-    'groupnorm on FSDP2':          (lambda: [GradientAccumulation(n_step=2, micro_bs='auto')], lambda: BatchNormAccumulation('groupnorm'), 'sharded with FSDP2', True),
-    'noise with sharded_grads':    (lambda: [GradientAccumulation(n_step=2, micro_bs=2)], lambda: GradientNoiseScale(), 'reduce-scattered at once', False),   # (the Learner's FSDPOptions)
+    'two GradientAccumulation':    (lambda: [GradientAccumulation(n_step=2), MicroBatching(2)], lambda: GradientAccumulation(n_step=3), 'GradientAccumulation` callbacks', False),
+    'two MicroBatching':           (lambda: [GradientAccumulation(n_step=2), MicroBatching(2)], lambda: MicroBatching(4), 'MicroBatching` callbacks', False),
+    'two BatchNormAccumulation':   (lambda: [GradientAccumulation(n_step=2), MicroBatching(2), BatchNormAccumulation('freeze')], lambda: BatchNormAccumulation('pool'), 'BatchNormAccumulation` callbacks', True),
+    'two GradientNoiseScale':      (lambda: [GradientAccumulation(n_step=2), MicroBatching(2), GradientNoiseScale()], lambda: GradientNoiseScale(), 'GradientNoiseScale` callbacks', False),
+    'MicroBatching, then another': (lambda: [MicroBatching(4), GradientAccumulation(n_step=2)], lambda: MicroBatching(2), 'MicroBatching` callbacks', False),
+    "fastai's beside 'auto'":      (lambda: [GradientAccumulation(n_step=2), MicroBatching('auto')], lambda: FastaiGA(8), 'fastai.callback.training.GradientAccumulation', False),
+    'groupnorm on FSDP2':          (lambda: [GradientAccumulation(n_step=2), MicroBatching('auto')], lambda: BatchNormAccumulation('groupnorm'), 'sharded with FSDP2', True),
+    'noise with sharded_grads':    (lambda: [GradientAccumulation(n_step=2), MicroBatching(2)], lambda: GradientNoiseScale(), 'reduce-scattered at once', False),   # (the Learner's FSDPOptions)
 }
 
 @pytest.mark.parametrize('case', list(_REFUSED))
 def test_a_refused_fit_leaves_the_learner_as_it_was(case, monkeypatch):
     """Every refusal of our callbacks is made before any of them sets anything up, whichever refuses: two of the same
-    callback (two `GradientAccumulation`s would each skip steps and rescale, a `MicroBatching` beside
-    `GradientAccumulation(micro_bs=...)` cuts twice), fastai's own GradientAccumulation beside ours, and the refusals of
+    callback (two `GradientAccumulation`s would each skip steps and rescale, two `MicroBatching`s cut twice), fastai's own GradientAccumulation beside ours, and the refusals of
     callbacks that run after `MicroBatching` and `GradientAccumulation` (FSDP2 simulated: only the refusing callback's
     view of the model is patched). Before, `MicroBatching` had cut the loader (and 'auto' wrapped `one_batch`) when a
     later callback refused. After: the message names the class and what to do, the Learner is as it was, inference
@@ -115,21 +133,23 @@ def test_a_refused_fit_leaves_the_learner_as_it_was(case, monkeypatch):
     assert rel_err(flat(learn.model.parameters()), flat(ref.model.parameters())) <= TOL
 
 def test_a_refused_fit_with_callbacks_of_its_own_leaves_none_of_them():
-    """`fit(cbs=[..., GradientAccumulation(micro_bs=...)])` on a Learner with a `MicroBatching`: refused, and every
+    """`fit(cbs=[..., MicroBatching(2)])` on a Learner with a `MicroBatching`: refused, and every
     callback given to that fit is gone after it (the refusal used to come from adding the callback, half-way through
-    fastai's `added_cbs`, which left the callbacks before it on the Learner)"""
+    fastai's `added_cbs`, which left the callbacks before it on the Learner). fastai's `remove_cb` of the refused twin
+    deletes `learn.micro_batching`, the name both answer to: the next fit start names the Learner's own again"""
     class Other(Callback): pass
     learn = make_learner(make_data(24), 8, cbs=[MicroBatching(4), GradientAccumulation(n_step=2)])
-    before = _learner_state(learn)
-    with pytest.raises(ValueError, match='MicroBatching` callbacks'): fit_quiet(learn, 1, cbs=[Other(), GradientAccumulation(micro_bs=2)])
-    assert _learner_state(learn) == before
+    before,before_cbs = _learner_state(learn),list(learn.cbs)
+    with pytest.raises(ValueError, match='MicroBatching` callbacks'): fit_quiet(learn, 1, cbs=[Other(), MicroBatching(2)])
+    assert _learner_state(learn)[0] == before[0] and all(c in learn.cbs for c in before_cbs if isinstance(c, (MicroBatching, GradientAccumulation)))
     fit_quiet(learn, 1)
+    assert _learner_state(learn)[:2] == before[:2]
     assert learn.micro_batching.size == 4 and learn.gradient_accumulation.window_sizes == [16, 8]   # 2 loader batches a window, then the partial
 
 # -- exactness ---------------------------------------------------------------------------------------------------
 def run_spy(n, bs, n_epoch=2, spy=None, ds=None, **kw):
     spy = spy or WindowSpy()
-    learn = make_learner(ds or make_data(n), bs, cbs=[GradientAccumulation(**kw), spy], dtype=torch.float64)
+    learn = make_learner(ds or make_data(n), bs, cbs=[*accumulation(**kw), spy], dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         fit_quiet(learn, n_epoch)
@@ -255,7 +275,7 @@ def test_one_cycle_partial_last_window_is_the_large_batch(n, bs, kw, big):
     ref_h,acc_h = StepHypers(),StepHypers()
     drop = kw.get('partial') == 'drop'
     a = make_learner(ds, big[0] if isinstance(big, dict) else big, opt_func=Adam, cbs=[ref_h, BigBs()], dtype=torch.float64, drop_last=drop)
-    b = make_learner(ds, bs, opt_func=Adam, cbs=[GradientAccumulation(**kw), acc_h], dtype=torch.float64)
+    b = make_learner(ds, bs, opt_func=Adam, cbs=[*accumulation(**kw), acc_h], dtype=torch.float64)
     fit_quiet(a, 2, meth='fit_one_cycle', lr_max=0.1); fit_quiet(b, 2, meth='fit_one_cycle', lr_max=0.1)
     assert len(acc_h.log) == len(ref_h.log) == b.gradient_accumulation.steps
     for got,ref in zip(acc_h.log, ref_h.log): assert got == pytest.approx(ref, rel=1e-12, abs=0)
@@ -453,22 +473,16 @@ def test_no_host_synchronisation_in_a_micro_batch_that_does_not_step():
     assert ga.steps > 4 and sum(ga.window_micro) > 2*ga.steps   # windows of several micro-batches
     assert calls[0] == 0, where[:10]
 
-def test_fsdp_options_are_the_learners_and_0_2s_spelling_warns_and_still_acts():
-    """Issue 60: FSDP2's options (`sharded_grads`, `gathered_params`) belong to the Learner's FSDP2 set-up
-    (`learn.to_fsdp(...)`/`fsdp_ctx(...)` set `learn.fsdp_options`); given to `GradientAccumulation` as in 0.2 they
-    still act, over the Learner's, with one FutureWarning naming the new spelling. (Their effect on the collectives:
-    tests/test_distributed.py::test_fsdp_one_reduce_scatter_round_per_window)"""
+def test_fsdp_options_are_the_learners():
+    """FSDP2's options (`sharded_grads`, `gathered_params`) belong to the Learner's FSDP2 set-up (`learn.to_fsdp(...)`
+    / `fsdp_ctx(...)` set `learn.fsdp_options`), read at fit start; `GradientAccumulation` takes none of them. (Their
+    effect on the collectives: tests/test_distributed.py::test_fsdp_one_reduce_scatter_round_per_window)"""
     from accum_callback.core.distributed import FSDPOptions
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        plain = GradientAccumulation(n_step=2)   # (no warning)
-    with pytest.warns(FutureWarning, match=r"learn\.to_fsdp\(sharded_grads=True\)") as rec: old = GradientAccumulation(n_step=2, sharded_grads=True)
-    assert len(rec) == 1
+    plain = GradientAccumulation(n_step=2)
     learn = make_learner(make_data(8), 4, cbs=[plain])
     assert plain.sync.options_for(learn) == FSDPOptions()
     learn.fsdp_options = FSDPOptions(gathered_params=True)
     assert plain.sync.options_for(learn) == FSDPOptions(gathered_params=True)
-    assert old.sync.options_for(learn) == FSDPOptions(sharded_grads=True, gathered_params=True)   # (given wins, per option)
     fit_quiet(learn, 1)
     assert plain.sync.gathered_params and not plain.sync.sharded_grads   # (read at fit start)
     with pytest.raises((TypeError, ValueError), match='sharded_grads'): FSDPOptions(sharded_grads='yes')

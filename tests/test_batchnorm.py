@@ -16,7 +16,7 @@ from accum_callback import BatchNormAccumulation, GradientAccumulation, bn_to_ba
 from accum_callback.batchnorm.modes import BN_MODES
 from accum_callback.batchnorm.norm_layers import BatchRenorm
 from accum_callback.batchnorm.callback import accumulated_momentum
-from helpers import fit_quiet, make_data, make_dls, make_learner, rel_err
+from helpers import accumulation, fit_quiet, make_data, make_dls, make_learner, rel_err
 
 STATS_TOL = 1e-6   # relative (norm) error of pooled running statistics against the large-batch run
 OUT_TOL = 1e-5     # absolute error between two float32 computations of the same normalisation
@@ -50,7 +50,7 @@ class EpochStats(Callback):
 def fit_pair(ds, micro_bs, ga_kw, big_bs, n_epoch=2, drop_last=False, **model_kw):
     "Micro-batch run with accumulation + 'pool' and the one-large-batch run, SGD lr=0 so the weights never change"
     micro = make_learner(ds, micro_bs, model=BNNet(**model_kw), lr=0.,
-                         cbs=[GradientAccumulation(**ga_kw), BatchNormAccumulation('pool'), EpochStats()])
+                         cbs=[*accumulation(**ga_kw), BatchNormAccumulation('pool'), EpochStats()])
     big = make_learner(ds, big_bs, model=BNNet(**model_kw), lr=0., cbs=EpochStats(), drop_last=drop_last)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore'); micro.fit(n_epoch); big.fit(n_epoch)
@@ -193,7 +193,7 @@ class SeeMomentum(Callback):
 @pytest.mark.parametrize('ga_kw,k', [(dict(n_step=4), 4), (dict(target_bs=10), 3)])
 def test_momentum_mode(ga_kw, k):
     model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 3))
-    learn = make_learner(make_data(32), 4, model=model, cbs=[GradientAccumulation(**ga_kw), BatchNormAccumulation('momentum'), SeeMomentum()])
+    learn = make_learner(make_data(32), 4, model=model, cbs=[*accumulation(**ga_kw), BatchNormAccumulation('momentum'), SeeMomentum()])
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)
     assert learn.see_momentum.seen == {(accumulated_momentum(0.1, k), None)}
     assert (model[1].momentum, model[2].momentum) == (0.1, None)
@@ -467,7 +467,7 @@ def test_checkpointed_batchnorm_counts_each_micro_batch_once(mode, reentrant, ga
     ds = make_data(44, seed=1)
     runs = []
     for ckpt in (None, reentrant):
-        learn = make_learner(ds, 4, model=CkptNet(ckpt), lr=0.05, cbs=[GradientAccumulation(**ga_kw), BatchNormAccumulation(mode)])
+        learn = make_learner(ds, 4, model=CkptNet(ckpt), lr=0.05, cbs=[*accumulation(**ga_kw), BatchNormAccumulation(mode)])
         fit_quiet(learn, 2); runs.append(learn)
     a,b = bn_state(runs[0].model),bn_state(runs[1].model)
     assert_stats_match(b, a, tol=1e-6)

@@ -5,9 +5,9 @@ import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.losses import CrossEntropyLossFlat, FocalLossFlat, LabelSmoothingCrossEntropyFlat
 
-from accum_callback import GradientAccumulation, BatchNormAccumulation
+from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
 from accum_callback.testing import OutOfMemoryAbove
-from helpers import WindowSpy, fit_quiet, make_data, make_learner
+from helpers import accumulation, WindowSpy, fit_quiet, make_data, make_learner
 
 F64 = torch.float64
 W = torch.tensor([1., 5., 10.], dtype=F64)
@@ -72,7 +72,7 @@ class Stateful(nn.Module):
         self.h = out.detach(); return out
 
 def learner(model=None, loss=None, ga=None, bn=None, n=64, bs=4, dtype=None, ds=None, loss_func=None):
-    cbs = [GradientAccumulation(**(ga or dict(n_step=4)))] + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
+    cbs = accumulation(**(ga or dict(n_step=4))) + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
     ds = ds if ds is not None else cls_data(n, ignore=-100 if loss == 'ignore' else None)
     return make_learner(ds, bs, cbs=cbs, model=model or MLP(n_out=3), loss_func=loss_func or LOSS_FUNCS[loss or 'mean'], dtype=dtype)
 
@@ -257,7 +257,7 @@ def test_language_model(ga, exact):
     unsplit one, test_micro_bs); accumulating consecutive loader batches carries state from one to the next, which one
     batch of both cannot do: 'not_per_sample', also where the window spans two loader batches cut in pieces. Before, the
     check could not copy the model (WeightDropout) and could not take its output (a tuple)"""
-    learn = lm_learner_factory()([GradientAccumulation(**ga)])
+    learn = lm_learner_factory()([*accumulation(**ga)])
     fit_quiet(learn, 1)   # a hidden state carried, the callbacks' attributes set
     before = lm_state(learn)
     r = learn.check_accumulation()
@@ -353,7 +353,7 @@ def test_fastai_text_classifier_on_ragged_padding_is_named_not_per_sample():
     of `seq_len`, see tests/apps.py): measured here by running the loader batch whole and in its pieces (the check is
     not used for that), the check says NOT exact and names 'not_per_sample' (before: 'unexplained')"""
     from apps import ROWS
-    learn = ROWS['text_classifier'].make([GradientAccumulation(micro_bs=3), BatchNormAccumulation('freeze')], bs=8, ragged=True,
+    learn = ROWS['text_classifier'].make([GradientAccumulation(n_step=1), MicroBatching(3), BatchNormAccumulation('freeze')], bs=8, ragged=True,
                                          seed=2)   # (seeds 2, 6, 8, 10, 11 show it in the first batch, 0, 1, 3, 4 do not)
     xb,_ = learn.dls.train.new(shuffle=False).one_batch()
     m = learn.model.eval()

@@ -48,7 +48,6 @@ SCENARIOS = dict(
     fsdp_sharded     = dict(sizes=[32,32], ga=dict(n_step=4, sharded_grads=True), fsdp=True),
     fsdp_gathered    = dict(sizes=[32,32], ga=dict(n_step=4, gathered_params=True), fsdp=True),
     # (0.2's spelling: FSDP2's options given to GradientAccumulation, with a FutureWarning; the same run)
-    fsdp_sharded_old = dict(sizes=[32,32], ga=dict(n_step=4, sharded_grads=True, gathered_params=False, old_spelling=True), fsdp=True),
     fsdp_uneven      = dict(sizes=[14,16], ga=dict(n_step=4), fsdp=True),
     fsdp_tokens      = dict(sizes=[14,16], ga=dict(n_step=4), tokens=[0.2,0.9], fsdp=True),
     fsdp_t12_drop    = dict(sizes=[14,16], ga=dict(target_bs=12, partial='drop'), fsdp=True),
@@ -251,7 +250,7 @@ def test_check_accumulation_on_each_rank(runs):
 def test_fsdp_one_reduce_scatter_round_per_window(runs):
     """Micro-batches that do not step skip FSDP2's reduce-scatter; the one that steps reduce-scatters every group once.
     `sharded_grads=True` reduce-scatters every micro-batch instead (k rounds); `gathered_params=True` all-gathers once
-    a window instead of twice a micro-batch (the Learner's `FSDPOptions`, or 0.2's spelling on GradientAccumulation).
+    a window instead of twice a micro-batch (the Learner's `FSDPOptions`).
     Every mode: the same weights, one large batch per step"""
     r0,r1 = get(runs, 'fsdp_n4')
     c = r0['collectives']
@@ -265,9 +264,6 @@ def test_fsdp_one_reduce_scatter_round_per_window(runs):
     for name in ('fsdp_n4', 'fsdp_sharded', 'fsdp_gathered'):
         a,b = get(runs, name)
         assert torch.equal(a['params'], b['params']); check_large_batch(a, b)
-    # the options are the Learner's (`learn.fsdp_options`); given to GradientAccumulation (0.2) they still act alike
-    o0,_ = get(runs, 'fsdp_sharded_old')
-    assert o0['collectives']['rs'] == s0['collectives']['rs'] and torch.equal(o0['params'], s0['params'])
 
 @needs_fsdp2
 @pytest.mark.parametrize('name,items', [('fsdp_uneven', [30., 30.]), ('fsdp_tokens', None), ('fsdp_t12_drop', [24.]*2),

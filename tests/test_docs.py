@@ -26,9 +26,19 @@ def _public():
     import importlib
     out = [(n, getattr(accum_callback, n)) for n in accum_callback.__all__]
     out += [(f'Learner.{n}', getattr(Learner, n)) for n in PATCHES]
-    # the names users import from a module (0.2.0 had them at the top level)
+    # the names users import from a module
     return out + [(f'{m}.{n}', getattr(importlib.import_module(f'accum_callback.{m}'), n))
-                  for n,m in sorted(accum_callback._MOVED.items(), key=lambda t: (t[1], t[0]))]
+                  for n,m in sorted(MODULE_NAMES.items(), key=lambda t: (t[1], t[0]))]
+
+MODULE_NAMES = dict(
+    Window='window.state', PARTIAL_MODES='window.accumulate', is_out_of_memory='micro', stateful_modules='micro',
+    CHECK_CAUSES='check.accumulation', loss_items='core.losses', loss_reduction='core.losses', default_blocks='fsdp',
+    fsdp_full_state_dict='fsdp', as_window_schedule='window.schedule', MODES='batchnorm.callback',
+    accumulated_momentum='batchnorm.callback', pooled_mean_var='batchnorm.callback', PooledStats='batchnorm.pool',
+    BN_MODES='batchnorm.modes', BatchRenorm='batchnorm.norm_layers', BatchRenorm1d='batchnorm.norm_layers',
+    BatchRenorm2d='batchnorm.norm_layers', BatchRenorm3d='batchnorm.norm_layers', NoiseScaleSchedule='noise.scale',
+    NoiseScaleReport='noise.measure', noise_estimates='noise.scale', precise_bn_stats='batchnorm.precise',
+    PopulationStats='batchnorm.precise', BatchNormReport='check.batchnorm')
 
 def _doc_of(obj)->str:
     if isinstance(obj, (tuple, dict, frozenset)): return f'`{obj!r}`' if len(repr(obj)) < 200 else f'{type(obj).__name__} of {len(obj)}'

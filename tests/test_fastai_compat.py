@@ -398,10 +398,12 @@ def test_export_load_learner_and_deepcopy(tmp_path):
 # ====================================================================================================================
 # Coming from fastai's callback: `n_acc` (issue 23)
 # ====================================================================================================================
-@pytest.mark.filterwarnings("ignore:GradientAccumulation. n_acc=.* makes a window of:UserWarning")   # (fastai's test means it)
+@pytest.mark.filterwarnings("ignore:GradientAccumulation. target_bs=.* makes a window of:UserWarning")   # (fastai's test means it)
 def test_fastai_own_gradient_accumulation_tests_pass_with_ours():
     """fastai's own tests of its GradientAccumulation (nbs/18a_callback.training.ipynb, fastai 2.8), with ours swapped
-    in: the same calls (`n_acc=` counts samples, windows carried across epochs, `n_acc=1e6` a float), the same asserts"""
+    in: the same calls (fastai's `n_acc=k` is ours `target_bs=k, partial='carry'`: samples, windows carried across
+    epochs, as `learn.accumulate(n_acc=k)` spells it), the same asserts"""
+    n_acc = lambda k: GradientAccumulation(target_bs=int(k), partial='carry')
     from fastai.test_utils import synth_learner, synth_dbunch, RegModel
     from fastai.torch_core import no_random, to_detach
     from fastai.losses import MSELossFlat
@@ -416,27 +418,29 @@ def test_fastai_own_gradient_accumulation_tests_pass_with_ours():
             with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01)
             train,valid = learn.recorder.values[-1]
             return train,valid,learn.get_grads.grads
-    acc_cb = GradientAccumulation(n_acc=8)
+    acc_cb = n_acc(8)
     train1,valid1,grads1 = _test_acc(8, 1)
     train2,valid2,grads2 = _test_acc(1, 8, acc_cb)
     test_close(grads2, grads1); test_close(valid2, valid1); test_ne(train2, train1)   # grads and valid loss same
     # more samples per step than the data holds: the weights (and the validation loss) do not change at all
     learn = synth_learner()
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01, cbs=GradientAccumulation(n_acc=1000))
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01, cbs=n_acc(1000))
     assert learn.recorder.values[-1][1] == learn.recorder.values[0][1]
     learn = synth_learner()
     with learn.no_bar(), learn.no_logging():
-        learn.fit(2, lr=0.01, cbs=GradientAccumulation(n_acc=2*learn.dls.bs))
+        learn.fit(2, lr=0.01, cbs=n_acc(2*learn.dls.bs))
         assert learn.recorder.values[-1][0] < learn.recorder.values[0][0]   # train loss decreased
-        learn.fit(2, lr=0.01, cbs=GradientAccumulation(n_acc=1e6))
+        learn.fit(2, lr=0.01, cbs=n_acc(1e6))
         assert learn.recorder.values[-1][1] == learn.recorder.values[0][1]   # same weights
 
 def test_n_acc_means_fastai_n_acc_and_is_exact():
-    "n_acc = target_bs with windows carried over epochs (fastai's count is reset only at fit start); no argument = n_acc=32"
-    ga = GradientAccumulation(n_acc=12)
-    assert ga.plan.target_bs() == 12 and ga.plan.partial == 'carry' and ga.plan.n_step is None
-    assert GradientAccumulation().plan.target_bs() == 32 and GradientAccumulation(n_acc=12, partial='step').plan.partial == 'step'
+    "`learn.accumulate(n_acc=)` = target_bs with windows carried over epochs (fastai's count is reset only at fit start)"
     spy = WindowSpy()
-    learn = img_learner(4, [GradientAccumulation(n_acc=12), spy], n=28)
+    learn = img_learner(4, [spy], n=28)
+    learn.accumulate(n_acc=12.0)
+    ga = learn.gradient_accumulation
+    assert ga.plan.target_bs() == 12 and ga.plan.partial == 'carry' and ga.plan.n_step is None
+    assert learn.accumulate(n_acc=12, partial='step').gradient_accumulation.plan.partial == 'step'
+    learn.accumulate(n_acc=12)
     fit_silent(learn, 2)
     assert learn.gradient_accumulation.window_sizes == [12, 12, 12, 12] and max(spy.errs) <= spy.tol   # 28 x 2 = 56: 4 windows, 8 dropped at the end

@@ -181,8 +181,16 @@ def test_a_loader_fastai_did_not_shard_is_refused_at_fit_start():
         launch_gloo(W.train, world=2, kwargs=dict(by_hand=True), timeout=120)
 
 def test_global_window_needs_a_number_of_samples():
-    for kw in (dict(n_step=2), dict(target_bs={0: 8}), dict(n_acc=32), dict(target_bs=32, micro_bs=2)):
+    for kw in (dict(n_step=2), dict(target_bs={0: 8})):
         with pytest.raises(ValueError, match='global_window=True'): GradientAccumulation(global_window=True, **kw)
+
+def test_global_window_refuses_a_micro_batching_at_fit_start():
+    "`global_window` deals whole loader batches: a `MicroBatching` beside it is refused before anything is set up"
+    from accum_callback import MicroBatching
+    from helpers import fit_quiet, make_data, make_learner
+    learn = make_learner(make_data(16), 4, cbs=[GradientAccumulation(target_bs=8, global_window=True), MicroBatching(2)])
+    with pytest.raises(ValueError, match=r'global_window=True.*remove `MicroBatching`'): fit_quiet(learn, 1)
+    assert 'dl' not in learn.__dict__ or type(learn.dl).__name__ == 'TfmdDL'
 
 def test_global_window_refuses_a_carried_window_at_construction():
     "Issue 63 item 3: `partial='carry'` restarted its grid each epoch on several processes (weights 5.8e-3 apart): refused, naming the way"

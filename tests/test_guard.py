@@ -38,11 +38,16 @@ def test_fail_fit_runs_every_cleanup_now():
     assert seen == ['a', 'b'] and '_with_events' not in learn.__dict__
     fail_fit(learn, ValueError('again'))   # (no guard: nothing to do)
 
-def test_twins_are_refused_and_learn_name_stays_on_the_first():
+def test_twins_are_refused_and_the_next_fit_names_the_first():
+    """Two of one callback of ours: refused at fit start in one message; fastai's `remove_cb` of the refused twin
+    deletes the name both answer to, and the next fit start names the Learner's own again (fastai's `Callback.name`
+    is not redefined)"""
     first = GradientAccumulation(n_step=2)
     learn = make_learner(make_data(16), 4, cbs=[first])
     with learn.no_logging(), pytest.raises(ValueError, match=r"(?s)2 `GradientAccumulation` callbacks .*learn.remove_cb\(learn.cbs\["):
         learn.fit(1, cbs=[GradientAccumulation(n_step=3)])
+    assert [c for c in learn.cbs if isinstance(c, GradientAccumulation)] == [first] and 'name' not in vars(GradientAccumulation)
+    with learn.no_logging(), learn.no_bar(): learn.fit(1)
     assert learn.gradient_accumulation is first and 'gradient_accumulation' not in vars(Learner)
 
 def test_refuse_fit_is_a_protocol_any_callback_can_join():

@@ -15,7 +15,8 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.optimizer import SGD
 
-from accum_callback import Checkpoint, GradientAccumulation, GradientNoiseScale
+from accum_callback import Checkpoint, GradientAccumulation, GradientNoiseScale, MicroBatching
+from helpers import accumulation
 
 T = pytest.importorskip('transformers')
 V,IGNORE = 40,-100
@@ -129,7 +130,7 @@ def test_every_step_is_one_batch_of_the_same_samples(kind, setup, cut):
     8, float64: every optimizer step's weights within 1e-8 relative (measured: 1e-9 at most; T5 normalises in float32). The
     model's own loss too, with no `n_items`: its count (the labels not -100, shifted for a causal LM) is found"""
     bs,ga = CUTS[cut]
-    acc = stepped(learner(kind, setup, bs, [GradientAccumulation(**ga)]))
+    acc = stepped(learner(kind, setup, bs, [*accumulation(**ga)]))
     one = stepped(learner(kind, setup, 8))
     assert len(acc) == len(one) == 2 and worst(acc, one) < 1e-8, worst(acc, one)
 
@@ -143,7 +144,7 @@ def test_the_count_matters_so_the_comparison_can_fail(kind):
 
 def test_auto_micro_bs_on_dict_batches():
     "micro_bs='auto' on dict inputs: each loader batch one piece (nothing ran out of memory), the same steps"
-    acc = stepped(learner('gpt2', 'dict_own', 8, [GradientAccumulation(**CUTS['auto'][1])]))
+    acc = stepped(learner('gpt2', 'dict_own', 8, [*accumulation(**CUTS['auto'][1])]))
     one = stepped(learner('gpt2', 'dict_own', 8))
     assert worst(acc, one) < 1e-8
 
@@ -232,6 +233,6 @@ def test_windows_of_any_size_are_one_batch_of_the_same_texts(kind, setup, n, bs,
     windows of `k` loader batches or loader batches cut by `micro_bs`, each model and input kind, the model's own loss
     or CrossEntropyLossFlat: every optimizer step within 1e-8 of one float64 batch of the same texts"""
     if cut == 'n_step': acc,big = learner(kind, setup, bs, [GradientAccumulation(n_step=k)], n=n),learner(kind, setup, bs*k, n=n)
-    else: acc,big = learner(kind, setup, bs*k, [GradientAccumulation(n_step=1, micro_bs=bs)], n=n),learner(kind, setup, bs*k, n=n)
+    else: acc,big = learner(kind, setup, bs*k, [GradientAccumulation(n_step=1), MicroBatching(bs)], n=n),learner(kind, setup, bs*k, n=n)
     a,b = stepped(acc),stepped(big)
     assert len(a) == len(b) == -(-n//(bs*k)) and worst(a, b) < 1e-8, (len(a), len(b), worst(a, b))

@@ -8,8 +8,8 @@ from torch.utils.data import TensorDataset
 from fastai.callback.core import Callback
 from fastai.learner import Learner
 
-from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, GradientNoiseScale
-from helpers import make_dls
+from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, GradientNoiseScale, MicroBatching
+from helpers import accumulation, make_dls
 
 EVENTS = ('before_fit', 'before_epoch', 'before_train', 'before_batch', 'after_pred', 'after_loss', 'before_backward',
           'after_backward', 'before_step', 'after_step', 'after_batch', 'after_train', 'before_validate', 'after_validate',
@@ -36,7 +36,7 @@ CONFIGS = {
     'pool': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('pool')],
     'momentum': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('momentum')],
     'freeze': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('freeze')],
-    'auto': lambda: [GradientAccumulation(n_step=2, micro_bs='auto')],
+    'auto': lambda: [GradientAccumulation(n_step=2), MicroBatching('auto')],
     'noise': lambda: [GradientAccumulation(n_step=2), GradientNoiseScale()],
     'checkpoint': lambda: [GradientAccumulation(n_step=2), Checkpoint('ck', batches=2)],
 }
@@ -80,7 +80,7 @@ def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path, ga):
     """`micro_bs`: its `MicroBatching` left the Learner for good in `summary()` (its `GradientAccumulation` was taken off
     for the pass, which made it an orphan)"""
     import fastai.callback.schedule, fastai.callback.hook   # (lr_find, summary)
-    cbs = [GradientAccumulation(**ga), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', batches=2)]
+    cbs = [*accumulation(**ga), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', batches=2)]
     learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path, cbs=cbs)
     before = _snapshot(learn)
     learn.summary()   # (fastai's summary takes the `_only_train_loop` callbacks off and adds them back at the end)
@@ -161,7 +161,7 @@ def test_a_refused_resume_leaves_everything_as_before(tmp_path):
                     cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), Checkpoint('ck', batches=1), Boom()])
     with learn.no_logging(), pytest.raises(RuntimeError, match='cut'): learn.fit(1)
     again = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path,
-                    cbs=[GradientAccumulation(n_step=4, micro_bs='auto'), BatchNormAccumulation('pool'), Checkpoint('ck')])
+                    cbs=[GradientAccumulation(n_step=4), MicroBatching('auto'), BatchNormAccumulation('pool'), Checkpoint('ck')])
     before = _snapshot(again)
     with again.no_logging(), pytest.raises(CheckpointError, match='window'): again.fit(1)
     assert _snapshot(again) == before

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest, torch
 from fastai.learner import load_learner
 
-from accum_callback import GradientAccumulation, BatchNormAccumulation
+from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
 from accum_callback.testing import launch_gloo
 from apps import ROWS, BS, N_TRAIN, Row, Oracle, OOMAbove, quiet_fit
-from helpers import flat, rel_err
+from helpers import accumulation, flat, rel_err
 
 # The steps are compared with the big batch in float64; the tolerance is float32's own error on that big batch,
 # measured in the same step (`Oracle.tol`: `helpers.floor_tol`): it follows the machine's kernels (AVX-512, AVX2, a GPU's)
@@ -89,7 +89,7 @@ def test_window_cell(name, col, one_thread):
     row,(bs,ga) = ROWS[name],WINDOWS[col]
     oom = OOMAbove(col.split('_')[-1], 'train') if col.startswith('auto_') else None
     oracle = Oracle(row, oom)
-    learn = build(row, col, [GradientAccumulation(**ga), oracle, oracle.start], bs=bs)
+    learn = build(row, col, [*accumulation(**ga), oracle, oracle.start], bs=bs)
     with warnings.catch_warnings():
         # a group of one channel in the tiny models' (N, C) layers: the warning the user gets, not news here
         warnings.filterwarnings('ignore', message='bn_to_groupnorm: .* got one channel per group')
@@ -114,8 +114,8 @@ def test_inference_out_of_memory_cell(name, col, one_thread):
     """micro_bs='auto': a validation/inference batch that runs out of memory in the model or in the loss is cut, and
     fit's validation, `validate` and `get_preds` give what the uncut batch gives"""
     row = ROWS[name]
-    learn = build(row, col, [GradientAccumulation(micro_bs='auto')], bs=2*BS)
-    ref_learn = build(row, col, [GradientAccumulation(micro_bs='auto')], bs=2*BS)
+    learn = build(row, col, [GradientAccumulation(n_step=1), MicroBatching('auto')], bs=2*BS)
+    ref_learn = build(row, col, [GradientAccumulation(n_step=1), MicroBatching('auto')], bs=2*BS)
     with OOMAbove(col.split('_')[-1], 'valid').install(learn) as oom, warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='GradientAccumulation: out of memory in inference')
         quiet_fit(learn, 1); quiet_fit(ref_learn, 1)
@@ -186,7 +186,7 @@ def test_inference_cell(name, one_thread):
     """After a fit with micro-batches and 'pool': `validate`, `get_preds`, `predict` and `tta` with our callbacks give
     what fastai gives without them"""
     row = ROWS[name]
-    ours = [GradientAccumulation(micro_bs=2, n_step=2)] + ([BatchNormAccumulation('pool')] if row.bn else [])
+    ours = [GradientAccumulation(n_step=2), MicroBatching(2)] + ([BatchNormAccumulation('pool')] if row.bn else [])
     learn = row.make(ours)
     quiet_fit(learn, 1)
     with learn.no_bar(): got = _inference(learn, row)
@@ -204,7 +204,7 @@ def _inference(learn, row):
 def test_export_cell(name, tmp_path, one_thread):
     "`learn.export` with our callbacks on the Learner; `load_learner` predicts the same"
     row = ROWS[name]
-    learn = row.make([GradientAccumulation(micro_bs=2, n_step=2)] + ([BatchNormAccumulation('pool')] if row.bn else []))
+    learn = row.make([GradientAccumulation(n_step=2), MicroBatching(2)] + ([BatchNormAccumulation('pool')] if row.bn else []))
     learn.path = tmp_path
     quiet_fit(learn, 1)
     learn.export('export.pkl')

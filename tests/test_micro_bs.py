@@ -9,7 +9,7 @@ from fastai.callback.schedule import fit_one_cycle   # noqa: F401
 
 from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
 from accum_callback.testing import OutOfMemoryAbove
-from helpers import MLP, Float64Smoothing, fit_quiet, make_data, make_learner, rel_err
+from helpers import accumulation, MLP, Float64Smoothing, fit_quiet, make_data, make_learner, rel_err
 
 TOL = 1e-10
 F64 = torch.float64
@@ -64,7 +64,7 @@ def test_fixed_micro_bs_equals_unsplit_run(bs, micro_bs, ga):
     run (one step per loader batch without n_step/target_bs), one-cycle schedule included"""
     ds = make_data(46)
     ref = run(ds, bs, [GradientAccumulation(**(ga or dict(n_step=1)))], one_cycle=True)
-    got = run(ds, bs, [GradientAccumulation(micro_bs=micro_bs, **ga)], one_cycle=True)
+    got = run(ds, bs, [*accumulation(micro_bs=micro_bs, **ga)], one_cycle=True)
     a,b = got.gradient_accumulation,ref.gradient_accumulation
     assert a.window_sizes == b.window_sizes and got.micro_batching.size == micro_bs
     assert max(a.window_micro) == -(-bs//micro_bs)*(ga.get('n_step') or 1) or ga.get('target_bs')
@@ -78,7 +78,7 @@ def test_pieces_are_near_equal_so_batchnorm_never_sees_one_item():
         run_valid = False
         def after_pred(self): seen.append(len(self.yb[0]))
     ds = make_data(26)
-    learn = run(ds, 16, [GradientAccumulation(micro_bs=5), Sizes()], model=BNDropNet(p=0.), epochs=1)
+    learn = run(ds, 16, [GradientAccumulation(n_step=1), MicroBatching(5), Sizes()], model=BNDropNet(p=0.), epochs=1)
     assert seen == [4, 4, 4, 4, 5, 5] and learn.gradient_accumulation.window_sizes == [16, 10]
     assert max(learn.gradient_accumulation.window_micro) == 4
 
@@ -87,7 +87,7 @@ def test_fixed_micro_bs_pool_statistics_of_the_whole_window():
     ds = make_data(40)
     mk = lambda cbs: run(ds, 8, cbs + [BatchNormAccumulation('pool')], model=BNDropNet(p=0.), lr=0.)
     ref = run(ds, 8, [], model=BNDropNet(p=0.), lr=0.)   # plain BatchNorm on the whole loader batch
-    got = mk([GradientAccumulation(micro_bs=3)])
+    got = mk([GradientAccumulation(n_step=1), MicroBatching(3)])
     for a,b in zip(bn_buffers(got), bn_buffers(ref)): assert rel_err(a.double(), b.double()) <= TOL
 
 # -- micro_bs='auto' ------------------------------------------------------------------------------------------------
@@ -95,8 +95,8 @@ def test_auto_halves_until_it_fits_and_equals_the_fixed_size_and_the_big_batch()
     "OOM above 5 items: 16 -> 8 -> 4; every step is the big batch's, and equals a fixed micro_bs=4 run, dropout and BatchNorm included"
     ds = make_data(64)
     oom = OOMAbove(5)
-    auto = run(ds, 16, [GradientAccumulation(micro_bs='auto')], model=BNDropNet(), loss_func=oom)
-    fixed = run(ds, 16, [GradientAccumulation(micro_bs=4)], model=BNDropNet())
+    auto = run(ds, 16, [GradientAccumulation(n_step=1), MicroBatching('auto')], model=BNDropNet(), loss_func=oom)
+    fixed = run(ds, 16, [GradientAccumulation(n_step=1), MicroBatching(4)], model=BNDropNet())
     ga = auto.gradient_accumulation
     assert auto.micro_batching.size == 4 and ga.window_sizes == fixed.gradient_accumulation.window_sizes == [16]*8
     assert oom.calls[:3] == [16, 8, 4] and max(oom.calls[3:]) == 4   # the size found is kept
@@ -106,13 +106,13 @@ def test_auto_halves_until_it_fits_and_equals_the_fixed_size_and_the_big_batch()
     assert len(msgs) == 2 and 'micro_bs is now 8' in msgs[0] and 'micro_bs is now 4' in msgs[1]
     # without dropout: the big batch itself
     ds2 = make_data(64, seed=1)
-    auto = run(ds2, 16, [GradientAccumulation(micro_bs='auto')], model=MLP(), loss_func=OOMAbove(5))
+    auto = run(ds2, 16, [GradientAccumulation(n_step=1), MicroBatching('auto')], model=MLP(), loss_func=OOMAbove(5))
     big = run(ds2, 16, [], model=MLP())
     assert rel_err(weights(auto), weights(big)) <= TOL
 
 def test_auto_keeps_the_size_for_the_next_fit():
     ds = make_data(32)
-    learn = run(ds, 16, [GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(5), epochs=1)
+    learn = run(ds, 16, [GradientAccumulation(n_step=1), MicroBatching('auto')], loss_func=OOMAbove(5), epochs=1)
     oom = learn.loss_func = OOMAbove(5)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert learn.micro_batching.size == 4 and set(oom.calls) == {4}
@@ -124,7 +124,7 @@ def test_oom_in_the_backward_mid_window_is_undone():
     ds = make_data(48)
     for bn,lr in ((False, 0.1), (True, 0.)):
         FailOnce.calls,FailOnce.at = 0,4
-        cbs = [GradientAccumulation(n_step=2, micro_bs='auto')] + ([BatchNormAccumulation('pool')] if bn else [])
+        cbs = [GradientAccumulation(n_step=2), MicroBatching('auto')] + ([BatchNormAccumulation('pool')] if bn else [])
         auto = run(ds, 8, cbs, model=BackwardNet(bn=bn), lr=lr)
         FailOnce.at = None
         big = run(ds, 16, [], model=BackwardNet(bn=bn), lr=lr)
@@ -135,10 +135,10 @@ def test_oom_in_the_backward_mid_window_is_undone():
 
 def test_size_one_raises_a_clear_error_and_leaves_the_learner_clean():
     ds = make_data(16)
-    learn = make_learner(ds, 4, cbs=[GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(0), dtype=F64)
+    learn = make_learner(ds, 4, cbs=[GradientAccumulation(n_step=1), MicroBatching('auto')], loss_func=OOMAbove(0), dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        with pytest.raises(RuntimeError, match="micro_bs='auto'.*micro-batch of 1 item"): fit_quiet(learn, 1)
+        with pytest.raises(RuntimeError, match="MicroBatching\\('auto'\\).*micro-batch of 1 item"): fit_quiet(learn, 1)
     assert 'one_batch' not in learn.__dict__ and not isinstance(learn.dl, type(None)) and type(learn.dl).__name__ != 'MicroBatches'
     assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
 
@@ -148,15 +148,14 @@ def test_other_errors_propagate_untouched_and_are_not_retried():
         def __call__(self, out, targ):
             Boom.calls += 1
             raise ValueError('boom: not a memory error')
-    learn = make_learner(make_data(16), 8, cbs=[GradientAccumulation(micro_bs='auto')], loss_func=Boom(), dtype=F64)
+    learn = make_learner(make_data(16), 8, cbs=[GradientAccumulation(n_step=1), MicroBatching('auto')], loss_func=Boom(), dtype=F64)
     with pytest.raises(ValueError, match='boom: not a memory error'): fit_quiet(learn, 1)
     assert Boom.calls == 1 and learn.micro_batching.size == 8
 
-@pytest.mark.parametrize('kw,match', [(dict(micro_bs=0), 'micro_bs'), (dict(micro_bs='big'), 'micro_bs'),
-                                      (dict(micro_bs=2.5), 'micro_bs'), (dict(micro_bs='auto', probe=1), 'probe'),
-                                      (dict(n_step=2, target_bs=8), 'n_step'), (dict(target_bs=8, n_acc=8), 'n_acc')])
+@pytest.mark.parametrize('kw,match', [(dict(size=0), 'size'), (dict(size='big'), 'size'), (dict(size=2.5), 'size'),
+                                      (dict(size='auto', probe=1), 'probe')])
 def test_bad_arguments_name_themselves(kw, match):
-    with pytest.raises((ValueError, TypeError), match=match): GradientAccumulation(**kw)
+    with pytest.raises((ValueError, TypeError), match=match): MicroBatching(**kw)
 
 def test_ready_made_batches_target_bs_and_momentum():
     "A loader of ready-made batches (`bs=None`): target_bs, 'momentum' (reads micro-batches per window) and micro_bs run"
@@ -168,7 +167,7 @@ def test_ready_made_batches_target_bs_and_momentum():
     dls = DataLoaders(DataLoader(batches, bs=None), DataLoader(batches[:1], bs=None), device='cpu')
     from fastai.learner import Learner
     learn = Learner(dls, BNDropNet(p=0.).double(), loss_func=F.mse_loss, lr=0.1,
-                    cbs=[GradientAccumulation(target_bs=12, micro_bs='auto'), BatchNormAccumulation('momentum'), Float64Smoothing()])
+                    cbs=[GradientAccumulation(target_bs=12), MicroBatching('auto'), BatchNormAccumulation('momentum'), Float64Smoothing()])
     fit_quiet(learn, 1)
     ga = learn.gradient_accumulation
     assert learn.micro_batching.size == 6 and ga.window_sizes == [12, 12]
@@ -185,7 +184,7 @@ def test_probe_keeps_the_faster_neighbour_and_its_verdict(monkeypatch):
     monkeypatch.setattr(MicroBatching, '_probe_here', lambda self: True)
     monkeypatch.setattr(MicroBatching, '_clock', lambda self: clock[0])
     ds = make_data(48)
-    learn = run(ds, 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
+    learn = run(ds, 8, [GradientAccumulation(n_step=1), MicroBatching('auto')], loss_func=loss, epochs=1)
     mb = learn.micro_batching
     assert mb.size == 4 and mb.trials == pytest.approx({8: 100., 4: 150.})
     assert any('micro_bs is now 4' in m for m in learn.caught)
@@ -202,7 +201,7 @@ def test_probe_keeps_the_larger_size_when_it_is_faster(monkeypatch):
         return F.mse_loss(out, targ)
     monkeypatch.setattr(MicroBatching, '_probe_here', lambda self: True)
     monkeypatch.setattr(MicroBatching, '_clock', lambda self: clock[0])
-    learn = run(make_data(48), 8, [GradientAccumulation(micro_bs='auto')], loss_func=loss, epochs=1)
+    learn = run(make_data(48), 8, [GradientAccumulation(n_step=1), MicroBatching('auto')], loss_func=loss, epochs=1)
     assert learn.micro_batching.size == 8 and not any('micro_bs is now' in m for m in learn.caught)
 
 # == issue 20: validation under 'auto', stateful models, the progress total, warnings, DDP cancels, cancelled steps ====
@@ -244,7 +243,7 @@ def test_inference_batches_are_cut_under_auto_and_equal_the_uncut_run():
     """Under 'auto' an out-of-memory error in validate, fit's validation, get_preds, predict and tta cuts that batch
     (16 -> 8 -> 4 here) and runs it again: loss and metrics (AvgLoss, AvgMetric accuracy, AccumMetric RocAuc) within 1e-6
     of the uncut run, predictions and targets equal and in order. Training keeps its own size (8: it never ran out)"""
-    ref,got = clf_learner(),clf_learner(n_oom=5, cbs=[GradientAccumulation(micro_bs='auto')])
+    ref,got = clf_learner(),clf_learner(n_oom=5, cbs=[GradientAccumulation(n_step=1), MicroBatching('auto')])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         fit_quiet(ref, 1); fit_quiet(got, 1)   # fit's own validation phase
@@ -264,7 +263,7 @@ def test_inference_batches_are_cut_under_auto_and_equal_the_uncut_run():
     assert 'one_batch' not in got.__dict__ and 'forward' not in got.model.__dict__   # nothing left behind
 
 def test_inference_of_one_item_that_does_not_fit_is_a_clear_error():
-    learn = clf_learner(n_oom=0, cbs=[GradientAccumulation(micro_bs='auto')])
+    learn = clf_learner(n_oom=0, cbs=[GradientAccumulation(n_step=1), MicroBatching('auto')])
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         with pytest.raises(RuntimeError, match="out of memory in inference with a batch of 1 item"): learn.predict(3)
@@ -273,7 +272,7 @@ def test_inference_of_one_item_that_does_not_fit_is_a_clear_error():
     learn.predict(3)   # the Learner still works
 
 def test_fixed_micro_bs_does_not_touch_inference():
-    learn = clf_learner(n_oom=5, cbs=[GradientAccumulation(micro_bs=4)])
+    learn = clf_learner(n_oom=5, cbs=[GradientAccumulation(n_step=1), MicroBatching(4)])
     with pytest.raises(torch.OutOfMemoryError): learn.validate()   # the user's loader batch: their error to see
 
 # -- models that carry state between batches ---------------------------------------------------------------------------
@@ -284,7 +283,7 @@ def test_language_model_pieces_run_with_their_own_rows_state(lm_learner):
     """micro_bs=3 on loader batches of 8 rows: each piece starts from its own rows of the carried hidden state and
     writes its rows back, so the fit equals the unsplit one (weights <= 1e-5; before: 1.4e-3 apart, no warning), and
     the validation loss is the same"""
-    ref,got = fit_quiet(lm_learner(), 1),fit_quiet(lm_learner([GradientAccumulation(micro_bs=3)]), 1)
+    ref,got = fit_quiet(lm_learner(), 1),fit_quiet(lm_learner([GradientAccumulation(n_step=1), MicroBatching(3)]), 1)
     w = lambda l: flat([p.detach() for p in l.model.parameters()])
     assert rel_err(w(got), w(ref)) <= 1e-5
     assert abs(got.recorder.values[-1][1] - ref.recorder.values[-1][1]) <= 1e-6
@@ -301,7 +300,7 @@ def test_a_reset_before_every_batch_is_respected(lm_learner, order):
     """A user's reset before every batch (fastai calls it for every piece) starts the pieces from the reset state, as
     the unsplit run starts every batch (before: the per-row state overrode a reset made before ours, 7e-4 apart)"""
     ref = fit_quiet(lm_learner([ResetEveryBatch(order)]), 1)
-    got = fit_quiet(lm_learner([GradientAccumulation(micro_bs=3), ResetEveryBatch(order)]), 1)
+    got = fit_quiet(lm_learner([GradientAccumulation(n_step=1), MicroBatching(3), ResetEveryBatch(order)]), 1)
     w = lambda l: flat([p.detach() for p in l.model.parameters()])
     carried = fit_quiet(lm_learner(), 1)   # without the resets the weights differ: the test can tell
     assert rel_err(w(got), w(ref)) <= 1e-5 < rel_err(w(carried), w(ref))
@@ -336,14 +335,14 @@ class SplitsState(CarriesState):
 
 def test_unsplittable_state_is_refused_at_fit_start_and_the_protocol_splits():
     ds = make_data(32)
-    learn = make_learner(ds, 8, cbs=[GradientAccumulation(micro_bs=3)], model=CarriesState())
+    learn = make_learner(ds, 8, cbs=[GradientAccumulation(n_step=1), MicroBatching(3)], model=CarriesState())
     with pytest.raises(StatefulModelError, match=r"CarriesState.*get_batch_state.*set_batch_state"): fit_quiet(learn, 1)
     assert type(learn.__dict__.get('dl')).__name__ != 'MicroBatches' and 'one_batch' not in learn.__dict__
     ref = fit_quiet(make_learner(ds, 8, model=SplitsState(), dtype=F64), 2)
-    got = fit_quiet(make_learner(ds, 8, cbs=[GradientAccumulation(micro_bs=3)], model=SplitsState(), dtype=F64), 2)
+    got = fit_quiet(make_learner(ds, 8, cbs=[GradientAccumulation(n_step=1), MicroBatching(3)], model=SplitsState(), dtype=F64), 2)
     assert rel_err(weights(got), weights(ref)) <= TOL
     m = CarriesState(); m.carries_batch_state = False   # the user says it holds nothing between batches
-    fit_quiet(make_learner(ds, 8, cbs=[GradientAccumulation(micro_bs=3)], model=m), 1)
+    fit_quiet(make_learner(ds, 8, cbs=[GradientAccumulation(n_step=1), MicroBatching(3)], model=m), 1)
 
 # -- the progress total after a halving ---------------------------------------------------------------------------------
 class IterSpy(Callback):
@@ -358,7 +357,7 @@ def test_progress_and_n_iter_follow_the_size_in_force(capsys):
     ShortEpochCallback read it) and the progress bar's total (was 18/4, 450%) follow the size in force"""
     ds = make_data(64)
     spy = IterSpy()
-    learn = make_learner(ds, 16, cbs=[GradientAccumulation(micro_bs='auto'), spy], loss_func=OOMAbove(5), dtype=F64)
+    learn = make_learner(ds, 16, cbs=[GradientAccumulation(n_step=1), MicroBatching('auto'), spy], loss_func=OOMAbove(5), dtype=F64)
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)   # with fastai's progress bar
     its = spy.seen
     assert all(i < n and n == t for i,n,t in its), its
@@ -372,7 +371,7 @@ def test_progress_and_n_iter_follow_the_size_in_force(capsys):
 def test_no_warning_from_our_code_in_a_clean_fit(ga, bn):
     "Each feature fits, validates and predicts under `warnings.simplefilter('error')` (the `_split` shadowing warning was raised at every micro_bs fit)"
     ds = make_data(32)
-    cbs = [GradientAccumulation(**ga)] + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
+    cbs = [*accumulation(**ga)] + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
     learn = make_learner(ds, 8, cbs=cbs, model=BNDropNet(p=0.) if bn else None, dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -409,10 +408,10 @@ def test_a_step_cancelled_inside_a_window_keeps_the_window():
 def test_a_learner_with_micro_bs_pickles_and_trains_after():
     "fastai's `export` uses cloudpickle, but plain pickle (and `copy.deepcopy`) must work too: no lambda inside"
     import pickle
-    learn = run(make_data(32), 8, [GradientAccumulation(micro_bs='auto')], loss_func=OOMAbove(5), epochs=1)
+    learn = run(make_data(32), 8, [GradientAccumulation(n_step=1), MicroBatching('auto')], loss_func=OOMAbove(5), epochs=1)
     learn.loss_func = F.mse_loss
     again = pickle.loads(pickle.dumps(learn))
-    assert again.micro_batching.size == 4 and again.gradient_accumulation.companion is again.micro_batching
+    assert again.micro_batching.size == 4 and again.micro_batching in again.cbs
     assert again.micro_batching.snapshot is None or again.micro_batching.snapshot.learn is again
     fit_quiet(again, 1)
 
@@ -421,7 +420,7 @@ def test_language_model_inference_cut_under_auto_keeps_its_rows_state(lm_learner
     pieces that each run with their own rows of the carried hidden state: the validation loss equals the uncut run's"""
     def oom(m, inp):
         if not torch.is_grad_enabled() and len(inp[0]) > 3: raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
-    ref,got = lm_learner(),lm_learner([GradientAccumulation(micro_bs='auto')])
+    ref,got = lm_learner(),lm_learner([GradientAccumulation(n_step=1), MicroBatching('auto')])
     got.model[0].register_forward_pre_hook(oom)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore'); fit_quiet(ref, 1); fit_quiet(got, 1)
@@ -457,7 +456,7 @@ def test_dict_batches_are_cut_key_by_key_and_equal_the_uncut_batch(micro_bs):
     ref = _dict_learner(8, [GradientAccumulation(n_step=1)])
     fit_quiet(ref, 2)
     loss = OOMAbove(4, loss=nn.CrossEntropyLoss()) if micro_bs == 'auto' else None   # ('auto': a device that holds 4)
-    cut = _dict_learner(8, [GradientAccumulation(micro_bs=micro_bs)], loss=loss)
+    cut = _dict_learner(8, [GradientAccumulation(n_step=1), MicroBatching(micro_bs)], loss=loss)
     if micro_bs == 'auto':
         with pytest.warns(UserWarning, match='out of memory with micro-batch 8.*micro_bs is now 4'): fit_quiet(cut, 2)
     else: fit_quiet(cut, 2)

@@ -18,7 +18,7 @@ from accum_callback import GradientAccumulation, GradientNoiseScale
 from accum_callback.noise.scale import NoiseScaleSchedule, noise_estimates
 from accum_callback.compat.torch import tree_flatten
 from accum_callback.testing import launch_gloo
-from helpers import DISTRIBUTED_KINDS, fit_quiet, make_learner
+from helpers import accumulation, DISTRIBUTED_KINDS, fit_quiet, make_learner
 
 F64 = torch.float64
 N,D = 1024,256
@@ -48,7 +48,7 @@ def measured(bs, n_step, epochs=8, ds=None, loss=linear_loss, **kw):
     noise = GradientNoiseScale()
     ds = ds if ds is not None else data()
     model = nn.Linear(ds.tensors[0].shape[-1], 1, bias=False).double()
-    learn = make_learner(ds, bs, cbs=[GradientAccumulation(n_step=n_step, **kw), noise], model=model, lr=0., shuffle=True,
+    learn = make_learner(ds, bs, cbs=[*accumulation(n_step=n_step, **kw), noise], model=model, lr=0., shuffle=True,
                          dtype=F64, loss_func=loss)
     fit_quiet(learn, epochs)
     return learn,noise,model
@@ -132,7 +132,7 @@ def test_the_schedule_follows_the_measurements_exactly(unit, values):
     expect = [8, 8, 16, 16, 24, 24, 24, 40]
     src = Scripted([math.nan, 10., 30., 31., 45., 20., 44., 200.])
     sched = NoiseScaleSchedule(src, fraction=0.5, lo=8 if unit == 'items' else 2, hi=40 if unit == 'items' else 10, unit=unit)
-    learn = make_learner(data(n=400), 4, cbs=[GradientAccumulation(**{'target_bs' if unit == 'items' else 'n_step': sched}), Advance(src)],
+    learn = make_learner(data(n=400), 4, cbs=[*accumulation(**{'target_bs' if unit == 'items' else 'n_step': sched}), Advance(src)],
                          model=nn.Linear(D, 1, bias=False).double(), lr=0., dtype=F64, loss_func=linear_loss)
     src.learn = learn
     fit_quiet(learn, 1)
@@ -194,7 +194,7 @@ def test_the_schedule_scales_each_steps_learning_rate_with_its_window(unit, rule
     lo = 8 if unit == 'items' else 2
     sched = NoiseScaleSchedule(src, fraction=0.5, lo=lo, hi=40 if unit == 'items' else 10, unit=unit, lr=rule)
     probe = StepLR()
-    learn = make_learner(data(n=400), 4, cbs=[GradientAccumulation(**{'target_bs' if unit == 'items' else 'n_step': sched}), Advance(src), probe],
+    learn = make_learner(data(n=400), 4, cbs=[*accumulation(**{'target_bs' if unit == 'items' else 'n_step': sched}), Advance(src), probe],
                          model=nn.Linear(D, 1, bias=False).double(), lr=1e-3, dtype=F64, loss_func=linear_loss, opt_func=opt)
     src.learn = learn
     plain = StepLR()

@@ -137,7 +137,7 @@ def test_held_fsdp_grads_cleared_in_either_layout(cls):
 
 def test_fsdp2_whose_grads_cannot_be_reached_is_refused_naming_torch(monkeypatch):
     import torch
-    from accum_callback import distributed as D
+    from accum_callback.core import distributed as D
     monkeypatch.setattr(D, 'is_fsdp', lambda m: True)
     monkeypatch.setattr(D, 'fsdp_modules', lambda m: [torch.nn.Linear(1, 1)])   # no `_get_fsdp_state`: unreachable
     with pytest.raises(ValueError, match=rf"FSDP2.*torch {re.escape(torch.__version__)}.*docs/versions.md"): D.check_fsdp(torch.nn.Linear(1, 1))
@@ -259,21 +259,16 @@ def test_every_module_has_its_tests_where_this_map_says():
         assert f.exists(), f"accum_callback.{m} has no tests/test_{last}.py and no entry in TESTED_IN"
         assert f == here/f'test_{last}.py' or any(x in f.read_text() for x in (m, last, m.split('.')[0])), f"{f.name} does not name {m}"
 
-def test_every_0_2_module_path_still_imports_as_the_module_it_moved_to():
-    """Issue 60: the public API does not move: every name in `__all__`, and every 0.2 module path (docs/versions.md),
-    imports, as the very module now at its new path (a pickle naming the old path loads), and a class keeps its names"""
-    import importlib, accum_callback
-    for old,new in accum_callback._OLD_PATHS.items():
-        assert importlib.import_module(f'accum_callback.{old}') is importlib.import_module(f'accum_callback.{new}'), old
-        assert importlib.import_module(f'accum_callback.{new}').__spec__.name == f'accum_callback.{new}'
-    from accum_callback.batchnorm import BatchNormAccumulation, PooledStats, MODES   # (0.2's accum_callback.batchnorm)
-    from accum_callback.window import Window, Phase
-    from accum_callback.check import check_accumulation, CHECK_CAUSES
-    from accum_callback.noise import GradientNoiseScale, noise_estimates
-    from accum_callback.compat import rngs_kept, foreach
-    assert all(getattr(accum_callback, n) for n in accum_callback.__all__)
+def test_importing_the_package_changes_no_import_machinery_and_0_2_paths_are_gone():
+    "No finder is installed at import (a reload included); 0.2's module paths are gone (docs/versions.md lists the moves)"
+    import importlib, sys, accum_callback
+    before = list(sys.meta_path)
+    importlib.reload(accum_callback)
+    assert sys.meta_path == before
+    with pytest.raises(ModuleNotFoundError): importlib.import_module('accum_callback.precise')
+    with pytest.raises(ImportError): exec('from accum_callback.window import Window', {})
     versions = (ROOT/'docs'/'versions.md').read_text()
-    assert all(f'`accum_callback.{old}`' in versions for old in accum_callback._OLD_PATHS)
+    assert '`accum_callback.precise`' in versions and '`accum_callback.batchnorm.precise`' in versions
 
 def test_no_private_name_is_imported_across_the_packages_modules():
     "Issue 60: a module uses another's public names only (`from .x import _y` is a private name crossing a boundary)"

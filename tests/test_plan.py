@@ -87,28 +87,20 @@ def test_a_noise_scale_schedule_is_a_window_schedule():
     assert isinstance(s, WindowSchedule) and not s.per_epoch and s.constant is None and s.lr_gain(16) == 2.
     assert GradientAccumulation(target_bs=s).plan.sched is s
 
-# -- micro_bs: the MicroBatching it brings ---------------------------------------------------------------------------
-def test_micro_bs_brings_its_micro_batching_without_overriding_learn():
-    """`Learner(cbs=GradientAccumulation(micro_bs=...))`: its `MicroBatching` joins once the Learner is made (fastai's
-    `after_create`) and stays (inference is cut too); `fit(cbs=...)` and `add_cb`: it joins for the fit and leaves with
-    it; `remove_cb` of the accumulation: it leaves at the next fit start. Neither class redefines fastai's `learn`"""
+# -- learn.accumulate(micro_bs=): the MicroBatching beside the window ---------------------------------------------------------------------------
+def test_accumulate_micro_bs_puts_one_micro_batching_beside_the_window():
+    """`learn.accumulate(micro_bs=4)`: one `GradientAccumulation` (one step a loader batch unless a window is given) and
+    one `MicroBatching(4)`, replacing those there; without `micro_bs` a `MicroBatching` added by hand stays. Neither
+    class redefines fastai's `learn`"""
     assert 'learn' not in GradientAccumulation.__dict__ and 'learn' not in MicroBatching.__dict__
-    ds = make_data(24)
-    def mbs(learn): return [c for c in learn.cbs if isinstance(c, MicroBatching)]
-    learn = make_learner(ds, 8, cbs=[ga := GradientAccumulation(n_step=2, micro_bs=4)])
-    assert mbs(learn) == [ga.companion] and learn.micro_batching is ga.companion
+    def ours(learn): return sorted(type(c).__name__ for c in learn.cbs if isinstance(c, (GradientAccumulation, MicroBatching)))
+    learn = make_learner(make_data(24), 8, cbs=[MicroBatching(2), GradientAccumulation(n_step=3)])
+    learn.accumulate(n_step=2, micro_bs=4)
+    assert ours(learn) == ['GradientAccumulation', 'MicroBatching'] and learn.micro_batching.size == 4
     fit_quiet(learn, 1)
-    assert mbs(learn) == [ga.companion] and ga.window_sizes == [16, 8] and ga.window_micro == [4, 2]
-    # fit(cbs=...): joins for the fit, leaves with it
-    plain = make_learner(ds, 8)
-    seen = []
-    class Look(Callback):
-        def before_train(self): seen.append(len(mbs(self.learn)))
-    fit_quiet(plain, 1, cbs=[g2 := GradientAccumulation(n_step=2, micro_bs=4), Look()])
-    assert seen == [1] and mbs(plain) == [] and g2.window_micro == [4, 2]
-    # removed by hand: its companion leaves at the next fit, which trains as a Learner without either
-    learn.remove_cb(ga)
-    ref = make_learner(ds, 8)
-    learn.model.load_state_dict(ref.model.state_dict())
-    fit_quiet(learn, 1); fit_quiet(ref, 1)
-    assert mbs(learn) == [] and rel_err(flat(learn.model.parameters()), flat(ref.model.parameters())) <= 1e-6
+    assert learn.gradient_accumulation.window_sizes == [16, 8] and learn.gradient_accumulation.window_micro == [4, 2]
+    learn.accumulate(micro_bs=4)
+    fit_quiet(learn, 1)
+    assert learn.gradient_accumulation.window_sizes == [8]*3 and learn.gradient_accumulation.window_micro == [2]*3
+    learn.accumulate(n_step=3)
+    assert ours(learn) == ['GradientAccumulation', 'MicroBatching']

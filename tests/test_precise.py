@@ -7,7 +7,7 @@ import pytest, torch, torch.nn as nn
 from fastai.callback.core import Callback
 from torch.utils.data import TensorDataset
 
-from accum_callback import BatchNormAccumulation, GradientAccumulation, update_bn_stats
+from accum_callback import BatchNormAccumulation, GradientAccumulation, MicroBatching, update_bn_stats
 from accum_callback.batchnorm.precise import precise_bn_stats, training_items
 from accum_callback.testing import launch_gloo
 from helpers import DISTRIBUTED_KINDS, fit_quiet, make_learner
@@ -65,7 +65,7 @@ def test_precise_in_the_callback_changes_nothing_else_and_equals_the_oracle():
     those of the same fit without `precise` (the recomputation touches no RNG and not the training loader)"""
     def run(precise):
         torch.manual_seed(0); random.seed(0)
-        learn = make_learner(images(), 8, cbs=[GradientAccumulation(micro_bs=3, n_step=2), BatchNormAccumulation('pool', precise=precise)],
+        learn = make_learner(images(), 8, cbs=[GradientAccumulation(n_step=2), MicroBatching(3), BatchNormAccumulation('pool', precise=precise)],
                              model=BNNet(), loss_func=nn.CrossEntropyLoss(), dtype=torch.float64, shuffle=True)
         fit_quiet(learn, 2)
         return learn

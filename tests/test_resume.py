@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from accum_callback import Checkpoint, GradientAccumulation
+from accum_callback import Checkpoint, GradientAccumulation, MicroBatching
 from accum_callback.resume.checkpoint import CheckpointError, _MAGIC, read_checkpoint
-from helpers import make_learner, make_data
+from helpers import accumulation, make_learner, make_data
 
 WORKER = Path(__file__).with_name('resume_worker.py')
 EVENTS = ('before_batch', 'after_pred', 'after_backward', 'before_step', 'after_step', 'after_batch', 'in_save',
@@ -79,7 +79,7 @@ def _interrupted(tmp_path, **kw):
     (dict(cbs=[GradientAccumulation(n_step=3)]), 'window'),
     (dict(bs=5), 'training loader'),
     (dict(n_epoch=3), 'n_epoch'),
-    (dict(cbs=[GradientAccumulation(n_step=2, micro_bs=2)]), 'micro_bs'),
+    (dict(cbs=[GradientAccumulation(n_step=2), MicroBatching(2)]), 'micro_bs'),
 ])
 def test_a_resume_that_cannot_be_exact_is_refused_naming_what_changed(tmp_path, change, named):
     ck = _interrupted(tmp_path)
@@ -467,7 +467,7 @@ def test_language_model_resumes_bitwise(tmp_path, cut, micro_bs):
                         ).dataloaders(apps._texts(60, 0), bs=4, seq_len=6, shuffle=True, device='cpu', num_workers=0)
         torch.manual_seed(0)
         return language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, **apps.AWD),
-                                      drop_mult=0.5, lr=0.05, cbs=[GradientAccumulation(n_step=2, micro_bs=micro_bs)] + cbs)
+                                      drop_mult=0.5, lr=0.05, cbs=[*accumulation(n_step=2, micro_bs=micro_bs)] + cbs)
     _cut_and_resumed(make, lambda learn: learn.fit(2), tmp_path, cut, batches=1)
 
 # -- state as a protocol (issue 51) ------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from fastai.callback.schedule import SchedLin, SchedExp, SchedCos, combine_scheds
 
 from accum_callback import GradientAccumulation, WindowSchedule, batch_growth_from_lr
-from helpers import WindowSpy, fit_quiet, make_data, make_learner
+from helpers import accumulation, WindowSpy, fit_quiet, make_data, make_learner
 
 TOL = 1e-6
 
@@ -22,7 +22,7 @@ def expected(n, bs, n_epoch, sched, by_items=False):
 
 def run(n, bs, n_epoch, **kw):
     spy = WindowSpy()
-    learn = make_learner(make_data(n), bs, cbs=[GradientAccumulation(**kw), spy], dtype=torch.float64)
+    learn = make_learner(make_data(n), bs, cbs=[*accumulation(**kw), spy], dtype=torch.float64)
     with warnings.catch_warnings(): warnings.simplefilter('ignore'); fit_quiet(learn, n_epoch)
     return learn.gradient_accumulation, spy
 

@@ -1,6 +1,3 @@
 """torch's and fastai's names outside their public APIs, fenced in two modules: `compat.torch` (private torch
 attributes, version differences, FSDP2's internals) and `compat.fastai` (fastai's private loop names and loader
 internals). Nothing else in the package reaches either library's private names (tests/test_package.py)."""
-from .. import names_from
-
-__getattr__ = names_from(__name__, 'torch')   # (the 0.2 module's names, loaded on first use)

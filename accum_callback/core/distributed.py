@@ -95,16 +95,13 @@ class FSDPOptions:
 class SyncPolicy:
     """How a window's gradients meet over the ranks (docs/distributed.md): a micro-batch that does not step accumulates
     locally (DDP's `no_sync`, FSDP2's gradient sync off) and the one that steps reduces, as the Learner's `FSDPOptions`
-    say (`learn.fsdp_options`, read at fit start; `given`: options given to `GradientAccumulation` in 0.2's spelling,
-    which win). `manual` (the ranks retry micro-batches, `micro_bs='auto'`): none syncs, the window is all-reduced once
-    the ranks agree"""
-    def __init__(self, **given):
-        self.given = {k: flag(v, k) for k,v in given.items() if v is not None}
-        self.options = FSDPOptions(**self.given)
+    say (`learn.fsdp_options`, read at fit start). `manual` (the ranks retry micro-batches, `MicroBatching('auto')`):
+    none syncs, the window is all-reduced once the ranks agree"""
+    def __init__(self): self.options = FSDPOptions()
     def options_for(self, learn)->FSDPOptions:
-        "The options a fit of `learn` runs with: the Learner's `fsdp_options`, and those given here over them"
+        "The options a fit of `learn` runs with: the Learner's `fsdp_options`"
         opts = getattr(learn, 'fsdp_options', None)
-        return FSDPOptions(**{**(vars(opts) if isinstance(opts, FSDPOptions) else {}), **self.given})
+        return opts if isinstance(opts, FSDPOptions) else FSDPOptions()
     def fit_starts(self, learn): "A fit starts: its options"; self.options = self.options_for(learn)
     @property
     def sharded_grads(self)->bool: return self.options.sharded_grads

@@ -24,7 +24,7 @@ def batch_sizes(dl)->list:
     return [min(bs, n - i*bs) for i in range(nb)]
 
 class Feed:
-    """The training loader's batches as fetched, for a checkpoint taken between micro-batches (`accum_callback.checkpoint`):
+    """The training loader's batches as fetched, for a checkpoint taken between micro-batches (`resume.checkpoint`):
     `ahead` is the batch read ahead (a reference: nothing is copied). To resume, `skip` loader batches are left out of
     the next pass and `first`, the batch the interrupted run had read ahead, comes before them; `then()` runs once the
     loader has drawn the pass's order and left those batches out (the resumed RNG states go in there: the loader draws

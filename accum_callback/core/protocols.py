@@ -10,7 +10,7 @@ from ..compat.torch import BatchNormBase, compiled_with_cuda_graphs
 from ..compat.fastai import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
-__all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'BringsCallbacks', 'Companion', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
@@ -35,21 +35,6 @@ class WindowOwner:
     def remove_window_listener(self, fn): self.window_listeners.discard(fn)
 
 def window_owner(learn)->WindowOwner|None: "The window's owner among `learn`'s callbacks (by this declared interface), or None"; return next((cb for cb in learn.cbs if isinstance(cb, WindowOwner)), None)
-
-class BringsCallbacks:
-    """Declared by a callback that brings others to its Learner (`GradientAccumulation(micro_bs=...)`: its
-    `MicroBatching`), which join it after the Learner is made or at fit start: `refuse_twins` counts them already.
-    Each companion's `brought_by` names it; a companion whose bringer has left the Learner (`remove_cb`) leaves at the
-    next fit start (fastai's `remove_cb` has no event of its own)"""
-    def companions(self)->list: return []
-
-class Companion:
-    "Declared by a callback another brings (`BringsCallbacks`): `brought_by` is that one, or None (added by the user)"
-    brought_by = None
-
-def _orphans(learn)->list:
-    "Companions on `learn` whose bringer is no longer on it"
-    return [c for c in learn.cbs if isinstance(c, Companion) and c.brought_by is not None and c.brought_by not in learn.cbs]
 
 class RunningStatsPolicy:
     """Declared by a callback that decides whether training updates BatchNorm's running statistics
@@ -166,66 +151,33 @@ def remove_fit_guard(learn, key):
 
 # -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
 def one_per_learner(hint:str):
-    """Class decorator for our callbacks: a Learner holds one (`refuse_twins`; `hint` says how to add it once). Nothing
-    is set on fastai's classes: `learn.<its name>` is fastai's own attribute (set by `add_cb`), pointed back at the
-    callback at each fit start where fastai's `remove_cb` of a refused twin (`fit(cbs=...)`) deleted it"""
+    "Class decorator for our callbacks a Learner holds once (`refuse_twins`; `hint` says how to add it once)"
     def deco(cls):
         cls.one_per_learner = hint
-        named = cls.name   # fastai's `Callback.name` (a property): a refused twin answers to another name (`refuse_twins`)
-        cls.name = property(lambda self: named.fget(self) + ('_twin' if self.__dict__.get('_twin') else ''))
         return cls
     return deco
-
-def name_callbacks(learn):
-    "`learn.<name>` for each callback of ours on `learn` (fastai's `remove_cb` of a twin of the same name deletes it)"
-    for cb in learn.cbs:
-        if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
 
 def _own_class(cb):
     "The class of ours that `cb` is (or subclasses) if it is one a Learner may hold once, else None"
     return next((c for c in type(cb).__mro__ if 'one_per_learner' in c.__dict__), None)
 
 def refuse_twins(learn):
-    """A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and
-    rescale, two `MicroBatching`s cut twice). Classes take part with `@one_per_learner(hint)`."""
-    seen = {}   # class -> [(index in learn.cbs of the callback, or of the one bringing it), callback]
-    for i,cb in enumerate(learn.cbs):
-        brought = [x for x in cb.companions() if x not in learn.cbs] if isinstance(cb, BringsCallbacks) else []
-        for x in [cb, *brought]:
-            if (c := _own_class(x)) is not None: seen.setdefault(c, []).append((i, x))
-    # fastai's `remove_cb` deletes `learn.<name>` of the twin it removes (a `fit(cbs=...)`'s, after this refusal): the
-    # twins (of every class) answer to another name, so that `learn.<name>` stays the first one's
-    for c,xs in seen.items():
-        if len(xs) > 1 and xs[0][1] in learn.cbs:
-            for _,x in xs[1:]:
-                if x in learn.cbs: x.__dict__['_twin'] = True
-            setattr(learn, xs[0][1].name, xs[0][1])
-    for c,xs in seen.items():
-        if len(xs) > 1:
-            (i,a),(j,b) = xs[0],xs[1]
-            say = lambda k, x: f"`learn.cbs[{k}]`" + ("" if x in learn.cbs else f" (the one `{type(learn.cbs[k]).__name__}(micro_bs=...)` brings)")
-            raise ValueError(f"This Learner has {len(xs)} `{c.__name__}` callbacks ({say(i, a)} and {say(j, b)}); it takes one. "
-                             f"{c.one_per_learner} Remove the one you do not want: `learn.remove_cb(learn.cbs[{xs[-1][0]}])`")
+    "A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and rescale)"
+    for c in {_own_class(cb) for cb in learn.cbs} - {None}:
+        idx = [i for i,cb in enumerate(learn.cbs) if _own_class(cb) is c]
+        if len(idx) > 1:
+            raise ValueError(f"This Learner has {len(idx)} `{c.__name__}` callbacks (`learn.cbs` {idx}); it takes one. "
+                             f"{c.one_per_learner} Remove the one you do not want: `learn.remove_cb(learn.cbs[{idx[-1]}])`")
 
-def refuse_at_fit_start(learn, bring:BringsCallbacks|None=None)->list:
+def refuse_at_fit_start(learn):
     """Every refusal of every callback on `learn` (twins of ours, then each one's `refuse_fit()` in event order), made
     by the first of them to see `before_fit`, before any of them sets anything up: a refused fit leaves the Learner as
-    it was (no cut loader, no wrapper, no hook), whichever of ours refuses. `bring`: a callback whose companions not on
-    `learn` join it for this fit, and have their `before_fit` once nothing is refused; returns those that joined"""
-    learn.remove_cbs(_orphans(learn))   # (a `MicroBatching` of `micro_bs` whose `GradientAccumulation` was removed)
-    joined = [c for c in (bring.companions() if bring is not None else []) if c not in learn.cbs]
-    learn.add_cbs(joined)
-    try:
-        refuse_twins(learn)
-        for cb in learn.cbs.sorted('order'):   # (the protocol: a callback with a `refuse_fit()`, ours or a user's)
-            if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # (on the class: fastai passes names on)
-    except Exception:
-        learn.remove_cbs(joined)
-        for c in joined: c.__dict__.pop('_twin', None)
-        raise
-    name_callbacks(learn)
-    for c in joined: c('before_fit')
-    return joined
+    it was (no cut loader, no wrapper, no hook), whichever of ours refuses"""
+    refuse_twins(learn)
+    for cb in learn.cbs.sorted('order'):   # the protocol: a callback with a `refuse_fit()`, ours or a user's
+        if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # on the class: fastai passes names on
+    for cb in learn.cbs:   # fastai's `remove_cb` of a refused `fit(cbs=[twin])` deleted the name the two shared
+        if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

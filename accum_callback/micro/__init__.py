@@ -1,4 +1,4 @@
-"""Micro-batching (`MicroBatching`, or `GradientAccumulation(micro_bs=...)`): one module per concern.
+"""Micro-batching (`MicroBatching(size)`, or `learn.accumulate(micro_bs=...)`): one module per concern.
 
 - `pieces`: which rows each piece of a batch holds (`piece_bounds`, `halved`: the rules, once), slicing, joining,
   out-of-memory errors

@@ -1,7 +1,7 @@
 """`MicroBatching`: the training loader's batches cut into micro-batches of a fixed size or of the largest that fits
 ('auto': an out-of-memory micro-batch is undone and run again at half the size), inference batches cut when they run
-out of memory, and the per-row state of models that carry it. `GradientAccumulation` steps once per loader batch of
-them (its `micro_bs=` adds this callback); what it reads of the piece being run is `piece` (`loader.Piece`)."""
+out of memory, and the per-row state of models that carry it. `GradientAccumulation` counts its `n_step` in loader
+batches of them (`learn.accumulate(micro_bs=...)` adds both); what it reads of the piece being run is `piece` (`loader.Piece`)."""
 from __future__ import annotations
 import time, warnings
 from numbers import Integral
@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..core.protocols import CANCELS, Companion, ResumeSignature, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard, window_owner
+from ..core.protocols import CANCELS, ResumeSignature, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard, window_owner
 from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -27,14 +27,14 @@ def check_micro_bs(micro_bs, name:str='micro_bs'):
     try: return whole_number(micro_bs, name)
     except NotWholeNumber: raise NotWholeNumber(f"`{name}` must be a whole number >= 1 or 'auto', got {micro_bs!r}") from None
 
-@one_per_learner("`GradientAccumulation(micro_bs=...)` adds one: give the size there, or add `MicroBatching` yourself.")
-class MicroBatching(Callback, Companion, ResumeSignature):
+@one_per_learner("(`learn.accumulate(micro_bs=...)` replaces the one there.)")
+class MicroBatching(Callback, ResumeSignature):
     """Cut every training batch into near-equal micro-batches of at most `size` items, or under `'auto'` of the largest
     size that fits (the loader's batch first, halved after each out-of-memory error, the same samples run again; on a
     GPU the next smaller size is timed once and the faster kept). Under 'auto' an inference batch whose forward or loss
     runs out of memory is cut too. A model that carries state from one batch to the next runs each piece from its own
-    rows of it. Needs `GradientAccumulation`, which steps once per loader batch (`GradientAccumulation(micro_bs=...)`
-    adds this callback).
+    rows of it. Needs a `GradientAccumulation` beside it, whose `n_step` counts loader batches
+    (`learn.accumulate(micro_bs=...)` adds both).
 
     `size`: the micro-batch in force (fixed, or what 'auto' found, kept for the next fit); `inference_bs`: the largest
     inference piece that fitted (None: not cut); `trials`: items/s the probe measured per size; `piece`: the piece being
@@ -77,9 +77,7 @@ class MicroBatching(Callback, Companion, ResumeSignature):
         if in_inference(learn):   # `validate`, `get_preds`, `predict`, `tta`: cut a batch that runs out of memory
             self.inference.learn = learn
             return
-        if learn is None: return   # (brought by a `GradientAccumulation` no longer on the Learner: it left at this fit's start)
-        refuse_at_fit_start(learn)   # (the first of ours in a fit: every refusal of ours before anything is set up)
-        if self not in learn.cbs: return   # (the same, found by this refusal)
+        refuse_at_fit_start(learn)   # the first of ours in a fit: every refusal of ours before anything is set up
         ga = self._window()
         self.rows.unwatch()
         self.rows = RowStates(stateful_modules(learn.model)[0])
@@ -104,14 +102,14 @@ class MicroBatching(Callback, Companion, ResumeSignature):
     def refuse_fit(self):
         "What this fit is refused for (`protocols.refuse_at_fit_start`): no window to step, 'auto' under FSDP2, a stateful model we cannot cut"
         if self._window() is None:
-            raise ValueError("MicroBatching cuts each loader batch into micro-batches; `accum_callback.GradientAccumulation` "
-                             "must step once per loader batch of them: use `GradientAccumulation(micro_bs=...)`, which adds "
-                             "this callback")
+            raise ValueError("MicroBatching cuts each loader batch into micro-batches and needs "
+                             "`accum_callback.GradientAccumulation(n_step=1)` (one step a loader batch) beside it, "
+                             "or `learn.accumulate(micro_bs=...)`, which adds both")
         model = self.learn.model
         if self.auto and is_fsdp(model):
-            raise ValueError("GradientAccumulation(micro_bs='auto') under FSDP2: a rank that runs out of memory in the "
+            raise ValueError("MicroBatching('auto') under FSDP2: a rank that runs out of memory in the "
                              "middle of a forward or backward leaves the others waiting in FSDP's all-gathers and "
-                             "reduce-scatters, so it cannot be undone and retried. Give `micro_bs` a number (every rank "
+                             "reduce-scatters, so it cannot be undone and retried. Give `MicroBatching` a number (every rank "
                              "cuts its batches into the same number of pieces)")
         bad = stateful_modules(model)[1]
         if bad: refuse_stateful(bad, model)
@@ -151,8 +149,8 @@ class MicroBatching(Callback, Companion, ResumeSignature):
         if self.loader is None: return
         if self.manual_sync and not self._sync_bn_checked:   # (DDP wraps the model in its own before_fit: checked here)
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.learn.model.modules()):
-                raise ValueError("GradientAccumulation(micro_bs='auto') under DDP cannot retry a micro-batch through "
-                                 "SyncBatchNorm (its forward waits for every rank): give `micro_bs` a number")
+                raise ValueError("MicroBatching('auto') under DDP cannot retry a micro-batch through "
+                                 "SyncBatchNorm (its forward waits for every rank): give `MicroBatching` a number")
             self._sync_bn_checked = True
         p = self.loader.piece
         if self.rows.n is not None: self.rows.enter(p.start, p.end)   # the micro-batch's rows of a stateful model's state
@@ -224,7 +222,7 @@ class MicroBatching(Callback, Companion, ResumeSignature):
         "After an undone out-of-memory micro-batch: half the size, and the same samples cut again"
         size = self.size
         if size <= 1:
-            raise RuntimeError(f"GradientAccumulation(micro_bs='auto'): out of memory with a micro-batch of 1 item ({msg}). "
+            raise RuntimeError(f"MicroBatching('auto'): out of memory with a micro-batch of 1 item ({msg}). "
                                "The model does not fit this device at any micro-batch: free memory, use mixed precision, "
                                "a smaller model or smaller inputs") from None
         self.size,self._probe = halved(size),None

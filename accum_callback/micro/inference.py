@@ -1,4 +1,4 @@
-"""Inference batches under `micro_bs='auto'` (fit's validation, `validate`, `get_preds`, `predict`, `tta`): when the
+"""Inference batches under `MicroBatching('auto')` (fit's validation, `validate`, `get_preds`, `predict`, `tta`): when the
 model's forward or the loss runs out of memory, that call is re-run in pieces of half the size (then a quarter, ...)
 and joined, so that the callbacks, the loss value and every metric see the whole batch."""
 from __future__ import annotations
@@ -48,10 +48,10 @@ class InferenceCutter:
             if torch.cuda.is_available(): torch.cuda.empty_cache()
             cur = min(size or n, n)
             if cur <= 1:
-                raise RuntimeError(f"GradientAccumulation(micro_bs='auto'): out of memory in inference with a batch of 1 "
+                raise RuntimeError(f"MicroBatching('auto'): out of memory in inference with a batch of 1 "
                                    f"item ({msg}). The model does not fit this device even for one item") from None
             if is_fsdp(self.learn.model):
-                raise RuntimeError(f"GradientAccumulation(micro_bs='auto'): out of memory in inference under FSDP2 ({msg}); "
+                raise RuntimeError(f"MicroBatching('auto'): out of memory in inference under FSDP2 ({msg}); "
                                    "its all-gathers cannot be re-run on one rank: make the validation batch smaller "
                                    "(`dls.valid.bs`)") from None
             self.size = halved(cur)

@@ -7,7 +7,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
 from ..core.distributed import is_distributed
-from ..core.loaders import Feed, ReadAhead, batch_sizes, can_skip, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
+from ..core.loaders import Feed, ReadAhead, batch_sizes, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
 __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',
@@ -16,7 +16,7 @@ __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batc
 
 def loader_pieces(learn, size:int|None, shuffle:bool=False, seed:int=0, epochs:int=1, drop_last:bool|None=None):
     """Yield `(micro-batch, (rows start, rows end, loader batch size))` of `own_loader`'s batches on the model's device,
-    each cut into the pieces `micro_bs=size` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes"""
+    each cut into the pieces `MicroBatching(size)` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes"""
     dl = own_loader(learn, shuffle, seed, drop_last)
     for _ in range(epochs):
         for b in dl:

@@ -19,7 +19,7 @@ def is_out_of_memory(e:BaseException)->bool:
     return isinstance(e, RuntimeError) and any(t in str(e) for t in _OOM_TEXTS)
 
 def n_pieces(n:int, size:int)->int:
-    "How many pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` (the rule; `piece_bounds` gives their rows)"
+    "How many pieces `MicroBatching(size)` cuts `n` items into: `ceil(n/size)` (the rule; `piece_bounds` gives their rows)"
     return -(-n//max(1, size))
 
 def next_piece(s:int, n:int, size:int, nom=None)->tuple:
@@ -31,7 +31,7 @@ def next_piece(s:int, n:int, size:int, nom=None)->tuple:
     return e,(None if nom is None else max(nom-size, 1))
 
 def piece_bounds(n:int, size:int)->list:
-    "`(start, end)` of the near-equal pieces `micro_bs=size` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size` (None: one, uncut)"
+    "`(start, end)` of the near-equal pieces `MicroBatching(size)` cuts `n` items into: `ceil(n/size)` pieces, none larger than `size` (None: one, uncut)"
     if not size: return [(0, n)]
     out,s = [],0
     while s < n: e,_ = next_piece(s, n, size); out.append((s, e)); s = e
@@ -50,7 +50,7 @@ def slice_batch(b, s:int, e:int):
     if isinstance(b, (tuple, list)): return type(b)(slice_batch(o, s, e) for o in b)
     if isinstance(b, Mapping): return _mapping_like(b, {k: slice_batch(v, s, e) for k,v in b.items()})
     if b is None: return None
-    raise TypeError(f"GradientAccumulation(micro_bs=...) cannot split a batch element of type {type(b).__name__}: "
+    raise TypeError(f"MicroBatching(size) cannot split a batch element of type {type(b).__name__}: "
                     "only tensors and tuples, lists and dicts of them (give the loader micro-batches instead, with `n_step`)")
 
 def _mapping_like(o:Mapping, d:dict):

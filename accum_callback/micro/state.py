@@ -103,7 +103,7 @@ def stateful_modules(model:nn.Module)->tuple[list, list]:
 def refuse_stateful(bad:list, model:nn.Module):
     names = ', '.join(sorted({type(m).__name__ for m in bad}))
     raise StatefulModelError(
-        f"GradientAccumulation(micro_bs=...): the model carries state from one batch to the next ({names} has `reset()`), "
+        f"MicroBatching(size): the model carries state from one batch to the next ({names} has `reset()`), "
         "and each micro-batch would start from another micro-batch's rows. Give the module `get_batch_state(bs)` and "
         "`set_batch_state(state)` (see docs/micro_batching.md: rows along `batch_state_dim`), set "
         "`carries_batch_state = False` on it if it holds no state between batches, or feed the loader micro-batches "

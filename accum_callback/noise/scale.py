@@ -129,7 +129,7 @@ class GradientNoiseScale(Callback):
         if mb is None and not ga.plan.by_items and ga.plan.sched.constant == 1:
             raise ValueError("GradientNoiseScale compares a window's first micro-batch with the whole window, and "
                              "`GradientAccumulation(n_step=1)` makes windows of one micro-batch: nothing would be measured. "
-                             "Give `n_step` >= 2 (or `micro_bs`, whose pieces make a window)")
+                             "Give `n_step` >= 2 (or a `MicroBatching`, whose pieces make a window)")
         for sc in self.schedules:
             if sc.source is self and mb is None and bs and sc.lo is not None and sc.lo*sc.items_per_unit() <= bs:
                 raise ValueError(f"GradientNoiseScale.schedule(lo={sc.lo}): a window of at most the loader's batch ({bs} items) "

@@ -22,8 +22,7 @@ from fastai.callback.schedule import LRFinder
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
 from ..core.protocols import CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard, window_owner
 from ..core.loaders import ReadAhead, can_skip
-from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, reshard,  # (re-exported:
-                                write_checkpoint)                                                               # _MAGIC, read_...)
+from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, write_checkpoint)                                                               # _MAGIC, read_...)
 from .fit_place import FitPlace, inner_loader
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
 from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank

@@ -29,9 +29,6 @@ class UnsafeCheckpoint(CheckpointError):
 # written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`.
 # The package's own state is plain already (each piece's `state_dict()`: the window's phase as its value).
 _TAG = '__accum_callback__'
-# 0.2's files tag the window's phase and step record ('enum', 'tuple'): read back as their plain value and list, which
-# the window takes (the format knows plain types only)
-_LEGACY_TYPES = {'enum': ('accum_callback.window.Phase',), 'tuple': ('accum_callback.window.StepRecord',)}
 
 _PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
@@ -229,13 +226,7 @@ def from_plain(o, packed:list|None=None):
             cls = _fastai_tensor(o.get('type'))
             if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
             return _field(o, 'value', torch.Tensor, 'tensor').as_subclass(cls)
-        if tag not in _LEGACY_TYPES: raise CheckpointError(f"a checkpoint holds an unknown tag {tag!r}")
-        if o.get('type') not in _LEGACY_TYPES[tag]: raise CheckpointError(f"a checkpoint names a type the package does not own: {o.get('type')!r}")
-        if tag == 'enum':
-            v = o.get('value')
-            if not isinstance(v, str): raise CheckpointError(f"a checkpoint holds {v!r}, which is no phase")
-            return v
-        return [from_plain(v, packed) for v in _field(o, 'value', list, 'StepRecord')]
+        raise CheckpointError(f"a checkpoint holds an unknown tag {tag!r}")
     if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v, packed) for v in o)
     return o
 

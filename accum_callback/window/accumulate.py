@@ -9,10 +9,10 @@ from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
-from ..core.protocols import (BringsCallbacks, Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
-                    refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
+from ..core.protocols import (Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
+                               refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
-from ..micro import MicroBatching, check_micro_bs, micro_batching
+from ..micro import MicroBatching, micro_batching
 from ..core.loaders import ReadAhead
 from ..micro.loader import CutLoader
 from .advice import warn_at_fit_start, warn_counting
@@ -26,7 +26,7 @@ from .lr_find import WindowedLRFinder, lr_finder
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
-class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignature, WindowLog):
+class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
     """Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window.
     An adapter from fastai's events to the window (`state.Window`: the rule), its plan (`plan.WindowPlan`: size, clock,
     learning-rate gain), the ranks' sync (`core.distributed.SyncPolicy`) and its log (`log.WindowLog`)"""
@@ -36,46 +36,36 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
     order,run_valid,_only_train_loop = MixedPrecision.order-4,False,True
 
     def __init__(self,
-        count:int|None=None, # without a name: read as `n_step`, with a warning at fit start (fastai's positional argument counts samples, `n_acc`): name it
-        /, *,
+        *args, # refused: name the window (`n_step=` counts micro-batches; fastai's positional count is samples)
         n_step:int|dict|callable=None, # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
         target_bs:int|dict|callable=None, # items per optimizer step: a window closes at the first micro-batch reaching it
-        n_acc:int=None, # fastai's spelling: items per optimizer step, = `target_bs` with windows carried over epochs as fastai does
-        partial:str=None, # partial window at the end of an epoch: 'step' it (default), 'drop' it, or 'carry' it into the next
-        n_items:callable=None, # `f(learn)` -> items the micro-batch's mean loss averages over (default: a known weighted/ignore_index loss's count, else the batch size)
+        partial:str=None, # partial window at the end of an epoch: 'step' it (default), 'drop' it, or 'carry' it on
+        n_items:callable=None, # `f(learn)` -> items the micro-batch's mean loss averages over (default: the batch size)
         skip_nonfinite:bool=True, # drop a window in which any micro-batch gave a non-finite loss
-        micro_bs:int|str|None=None, # cut every loader batch into micro-batches of this many items; 'auto': the fastest that fits (brings a `MicroBatching`)
-        probe:bool=True, # micro_bs='auto' on a GPU: once settled, time the next smaller size too and keep the faster
-        sharded_grads:bool|None=None, # 0.2's spelling of `learn.to_fsdp(sharded_grads=...)` (a FutureWarning): FSDP2's options are the Learner's
-        gathered_params:bool|None=None, # 0.2's spelling of `learn.to_fsdp(gathered_params=...)` (a FutureWarning)
-        global_window:bool=False, # `target_bs` counts the samples of all ranks: each window the same samples on any number of processes
+        global_window:bool=False, # `target_bs` counts the samples of all ranks: the same windows on any number of them
     ):
-        if micro_bs is not None: check_micro_bs(micro_bs)
-        # fastai's recipes write `GradientAccumulation(64)` for 64 samples (said at fit start); `n_acc`: fastai's attribute too
-        self.count,self.n_acc = count,n_acc
-        self.plan = WindowPlan(n_step, target_bs, n_acc, partial, cut=micro_bs is not None, count=count, global_window=global_window)
+        if args: raise TypeError(f"GradientAccumulation({', '.join(map(repr, args))}): name the window: "
+                                 f"`n_step=` (micro-batches a step) or `target_bs=` (items a step)")
+        if n_step is None and target_bs is None:
+            raise TypeError("GradientAccumulation needs its window: give `n_step=` (micro-batches a step) or "
+                            "`target_bs=` (items a step)")
+        self.plan = WindowPlan(n_step, target_bs, partial, global_window=global_window)
         self.n_items,self.skip_nonfinite = check_n_items(n_items),flag(skip_nonfinite, 'skip_nonfinite')
-        self.sync = SyncPolicy(sharded_grads=sharded_grads, gathered_params=gathered_params)
-        if self.sync.given: moved_fsdp_options(self.sync.given)
-        # `micro_bs`: the `MicroBatching` this one brings; it joins the Learner once made (`after_create`) or at fit start
-        self.companion = MicroBatching(micro_bs, flag(probe, 'probe')) if micro_bs is not None else None
-        if self.companion is not None: self.companion.brought_by = self
-        self.mb,self._joined,self._new_fit,self.window_listeners = None,[],False,Listeners()
+        self.sync = SyncPolicy()
+        self.mb,self._new_fit,self.window_listeners = None,False,Listeners()
         self.said = set()   # what `advice` has said at fit start (once each: 'window', 'layers', 'fsdp')
-        self._ahead,self.window,self.padding = None,Window(),Padding()   # the training loader read ahead; the window in progress; a padding micro-batch
+        self._ahead,self.window,self.padding = None,Window(),Padding()   # the loader read ahead; the open window; padding
         self.reset_logs()
 
     resume_keys = ('window',)
     def resume_signature(self)->dict: "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
-    def companions(self)->list: "The `MicroBatching` of `micro_bs`"; return [self.companion] if self.companion is not None else []
-    def after_create(self): self.learn.add_cbs([c for c in self.companions() if c not in self.learn.cbs])   # `Learner(cbs=...)`
 
     @property
     def window_n_step(self)->int:
         "Micro-batches a full window takes now (for `target_bs`: at the training loader's batch size)"
         return self.plan.micro_batches(self.window, self.dls.train.bs, micro_batching(self.learn))
 
-    # -- a checkpoint between micro-batches (`accum_callback.checkpoint`) --------------------------------------------
+    # -- a checkpoint between micro-batches (`resume.checkpoint`) --------------------------------------------
     def state_dict(self)->dict:
         "What the rest of the fit needs of this callback: the window in progress, the logs, the schedule's clock"
         return dict(window=self.window.state_dict(), logs=self.logs_state(), **self.plan.state_dict())
@@ -88,10 +78,8 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         # fastai sends `before_fit`/`after_fit` around `validate`, `get_preds`, `predict` and `tta` too, holding the
         # Learner's lock: nothing to do there, and a raise would leave the lock held (every later validate hangs)
         if in_inference(self.learn): return
-        # ours and the other callbacks of ours, before anything is set up; a `MicroBatching` of `micro_bs` not on the
-        # Learner yet joins for this fit (its `before_fit`, ordered before ours, now)
-        self.sync.fit_starts(self.learn)   # (FSDP2's options: the Learner's)
-        self._joined = refuse_at_fit_start(self.learn, bring=self)
+        self.sync.fit_starts(self.learn)
+        refuse_at_fit_start(self.learn)   # every refusal of ours, before anything is set up
         self._new_fit = True   # the logs of the last fit are reset at its first training batch: they survive a `validate()`
         self.window.reset(); self.window.start_micro()
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
@@ -103,7 +91,10 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         if (f := lr_finder(self.learn)) is not None:   # `lr_find`: a rate a step (joined now: its `before_fit` by hand)
             self.learn.add_cb(w := WindowedLRFinder(self, f)); self._joined.append(w); w.before_fit()
 
-    def refuse_fit(self): "What this fit is refused for (`protocols.refuse_at_fit_start`)"; refuse_accumulation_conflicts(self.learn); self.plan.check_ranks(self.learn)
+    def refuse_fit(self):
+        "What this fit is refused for (`protocols.refuse_at_fit_start`)"
+        refuse_accumulation_conflicts(self.learn)
+        self.plan.check_ranks(self.learn, cut=micro_batching(self.learn) is not None)
 
     def after_fit(self):
         if in_inference(self.learn): return
@@ -126,7 +117,6 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         for cb in self._joined:
             if isinstance(cb, WindowedLRFinder): cb.finish()
         learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, CutLoader) and cb.mb is self])
-        learn.remove_cbs(self._joined); self._joined = []   # (joined for the fit: they leave with it)
 
     def after_train(self):
         if self._ahead is not None: self.learn.dl,self._ahead = self._ahead.dl,None
@@ -231,26 +221,26 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         if w.n_micro: self._close(False, zero=False)
         else: w.reset()
 
-    def _ranks_retry(self)->bool: "micro_bs='auto' under DDP: the ranks agree on every retry"; return self.mb is not None and self.mb.manual_sync
-
-def moved_fsdp_options(given:dict):
-    "Said once a construction: FSDP2's options given to `GradientAccumulation` (0.2) belong to the Learner's FSDP2 set-up now"
-    import warnings
-    args = ', '.join(f'{k}={v}' for k,v in given.items())
-    warnings.warn(f"GradientAccumulation({args}): FSDP2's options are the Learner's since 0.3: pass them to "
-                  f"`learn.to_fsdp({args})` or `learn.fsdp_ctx({args})` (a model sharded by hand: "
-                  f"`learn.fsdp_options = FSDPOptions({args})`, from accum_callback.core.distributed); this spelling "
-                  "goes in a later release", FutureWarning, stacklevel=3)
+    def _ranks_retry(self)->bool: "MicroBatching('auto') under DDP: the ranks agree on every retry"; return self.mb is not None and self.mb.manual_sync
 
 @patch
 def accumulate(self:Learner,
-    n_step:int|dict|callable=None, # micro-batches per optimizer step
-    **kwargs # `target_bs`, `n_acc` (fastai's: samples per step), `partial`, `n_items`, `skip_nonfinite`, `micro_bs`: see `GradientAccumulation`
+    n_step:int|dict|callable=None, # micro-batches per optimizer step (loader batches where `micro_bs` cuts them)
+    n_acc:int|float=None, # fastai's spelling: items per optimizer step, `target_bs` with windows carried over epochs
+    micro_bs:int|str=None, # cut every loader batch into micro-batches of this many items ('auto': the largest that fits)
+    **kwargs # `target_bs`, `partial`, `n_items`, `skip_nonfinite`, `global_window`: see `GradientAccumulation`
 ):
-    """Accumulate gradients exactly over micro-batches (replaces any accumulation callback already there, ours or
-    fastai's, with what ours brought). A recipe that imports `fastai.vision.all` after `accum_callback` gets fastai's
+    """Accumulate gradients exactly over micro-batches: replaces any accumulation callback already there (ours or
+    fastai's), and with `micro_bs` any `MicroBatching`. `micro_bs` adds a `MicroBatching(micro_bs)`, one step per loader
+    batch unless a window is given. A recipe that imports `fastai.vision.all` after `accum_callback` gets fastai's
     `GradientAccumulation` back under that name; `learn.accumulate(n_acc=64)` stays ours whatever was imported after"""
-    cb = GradientAccumulation(n_step=n_step, **kwargs)   # validate before touching the Learner
-    old = [c for c in self.cbs if isinstance(c, (GradientAccumulation, FastaiGradientAccumulation))]
-    self.remove_cbs(old + [m for c in old if isinstance(c, GradientAccumulation) for m in c.companions() if m in self.cbs])
-    return self.add_cbs([cb, *cb.companions()])   # micro_bs: its MicroBatching, explicitly
+    if n_acc is not None:
+        if 'target_bs' in kwargs: raise TypeError("learn.accumulate: give `target_bs` or fastai's `n_acc`, not both")
+        if isinstance(n_acc, float) and n_acc.is_integer(): n_acc = int(n_acc)
+        kwargs = dict(kwargs, target_bs=n_acc, partial=kwargs.get('partial') or 'carry')
+    if micro_bs is not None and n_step is None and 'target_bs' not in kwargs: n_step = 1   # the window: a loader batch
+    cbs = [GradientAccumulation(n_step=n_step, **kwargs)]   # validate before touching the Learner
+    if micro_bs is not None: cbs.append(MicroBatching(micro_bs))
+    old = (GradientAccumulation, FastaiGradientAccumulation) + ((MicroBatching,) if micro_bs is not None else ())
+    self.remove_cbs([c for c in self.cbs if isinstance(c, old)])
+    return self.add_cbs(cbs)

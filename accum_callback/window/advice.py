@@ -17,7 +17,7 @@ def warn_at_fit_start(ga, bs):
     if 'window' not in ga.said: _ported(ga, bs)
     _not_large_batch(ga)
     _sharded_by_hand(ga)
-    t = ga.plan.target_bs() if ga.plan.by_items and ga.plan.n_acc is None else None
+    t = ga.plan.target_bs() if ga.plan.by_items and ga.plan.partial != 'carry' else None
     if t and bs and t > bs and t % bs and 'window' not in ga.said:
         warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at the "
                       f"first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact mean "
@@ -26,25 +26,16 @@ def warn_at_fit_start(ga, bs):
 
 def _ported(ga, bs):
     """What a recipe ported from fastai may mean otherwise, said once at fit start with the steps an epoch each reading
-    gives: a count without its name (fastai's counts samples), a window over most of an epoch"""
+    gives: a window over most of an epoch"""
     sizes = batch_sizes(ga.learn.dls.train) if bs else []
     if not sizes: return
     steps = lambda t, items: windows_started(sizes, t, items, 'step', False)
-    if ga.count is not None and ga.plan.sched.constant is not None:
-        k = ga.count
-        warnings.warn(f"GradientAccumulation({k}): a count without its name is read as n_step, {k} micro-batches a step "
-                      f"({k} batches of {bs} = {k*bs} items, {steps(k, False)} optimizer steps an epoch here); fastai's "
-                      f"GradientAccumulation({k}) counts samples (n_acc={k}: {steps(k, True)} steps an epoch). Write "
-                      f"GradientAccumulation(n_step={k}) or GradientAccumulation(n_acc={k}); a count without its name will "
-                      "mean fastai's n_acc in a later version", stacklevel=3)
-        ga.said.add('window')
-        return
     sc = ga.plan.sched
     if sc.constant is None or ga.mb is not None or len(sizes) < 8: return
     by_items = ga.plan.by_items
     units = sc.constant if not by_items else next((i+1 for i in range(len(sizes)) if sum(sizes[:i+1]) >= sc.constant), len(sizes)+1)
     if units*2 > len(sizes):
-        name = 'n_step' if not by_items else ('n_acc' if ga.plan.n_acc is not None else 'target_bs')
+        name = 'n_step' if not by_items else 'target_bs'
         warnings.warn(f"GradientAccumulation: {name}={sc.constant} makes a window of {min(units, len(sizes))} of the epoch's "
                       f"{len(sizes)} loader batches: {steps(sc.constant, by_items)} optimizer step(s) an epoch. If that is "
                       "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
@@ -69,11 +60,11 @@ def _nothing_accumulates(ga, bs):
     mb,msg = ga.mb,None
     size = mb.size if mb is not None and not mb.auto else None
     if size is not None and size > bs:
-        msg = (f"micro_bs={size} is larger than the loader's batch ({bs}): no batch is cut, so nothing is accumulated "
-               f"that the loader batch does not hold already: give micro_bs below {bs}, or load larger batches")
+        msg = (f"MicroBatching({size}) is larger than the loader's batch ({bs}): no batch is cut, so nothing is accumulated "
+               f"that the loader batch does not hold already: give a size below {bs}, or load larger batches")
     t = ga.plan.sched.constant if ga.plan.by_items else None
     if t is not None and t < bs and mb is None:
-        name = 'n_acc' if ga.plan.n_acc is not None else 'target_bs'
+        name = 'target_bs'
         msg = (f"{name}={t} is below the loader's batch ({bs}): every window is one batch of {bs} items and "
                f"nothing accumulates (fastai's callback multiplied such a step's gradient by bs/{name} = {bs/t:g}). For steps of {t} items, load "
                f"batches smaller than {t}; for steps of several batches, give a larger {name} or n_step")

@@ -14,30 +14,23 @@ __all__ = ['WindowPlan', 'Padding']
 
 class WindowPlan:
     "The window's size and rule, from `GradientAccumulation`'s window arguments (checked at construction)"
-    def __init__(self, n_step=None, target_bs=None, n_acc=None, partial=None, cut:bool=False, count:int|None=None,
-                 global_window:bool=False):
-        """`count`: `GradientAccumulation`'s positional argument, read as `n_step`. `global_window`: `target_bs` counts
-        the samples of all ranks together, each window's samples the same on any number of them (`global_window`)"""
-        if count is not None:
-            if n_step is not None: raise TypeError(f"GradientAccumulation: a count ({count!r}) and `n_step` ({n_step!r}): give one, by name")
-            n_step = count
-        self.n_step,self.target_bs,self.partial = window_arguments(n_step, target_bs, n_acc, partial, cut=cut)
+    def __init__(self, n_step=None, target_bs=None, partial=None, global_window:bool=False):
+        "`global_window`: `target_bs` counts the samples of all ranks together, each window the same on any number of them"
+        self.n_step,self.target_bs,self.partial = window_arguments(n_step, target_bs, partial)
         self.global_window = flag(global_window, 'global_window')
-        if global_window and (self.target_bs is None or self.target_bs.constant is None or n_acc is not None or cut):
+        if global_window and (self.target_bs is None or self.target_bs.constant is None):
             raise ValueError("GradientAccumulation(global_window=True) keeps a window of `target_bs` samples over all ranks: "
-                             f"give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r}, n_acc={n_acc!r}), "
-                             "without micro_bs")
-        if global_window and self.partial == 'carry':   # (its grid restarts each epoch, one process's does not: 5.8e-3 apart)
+                             f"give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r})")
+        if global_window and self.partial == 'carry':   # its grid restarts each epoch, one process's does not
             raise ValueError("GradientAccumulation(global_window=True, partial='carry'): a window carried into the next epoch "
                              "is not cut alike on another number of processes; give partial='step' (the default) or 'drop'")
-        self.n_acc = n_acc   # fastai's spelling of `target_bs` (its windows carried over epochs)
-        self.clock,self.decided = WindowClock(),0   # `decided`: the last loader batch decided (`micro_bs`)
+        self.clock,self.decided = WindowClock(),0   # `decided`: the last loader batch decided (`MicroBatching`)
         self.dealt = None   # a `global_window` fit on several processes: the `WindowShardDL` that deals the windows
 
     @property
     def sched(self)->WindowSchedule: "The window's schedule"; return self.n_step or self.target_bs
     @property
-    def by_items(self)->bool: "Is the window counted in items (`target_bs`, `n_acc`) rather than micro-batches?"; return self.n_step is None
+    def by_items(self)->bool: "Is the window counted in items (`target_bs`) rather than micro-batches?"; return self.n_step is None
 
     @property
     def ranks(self)->int: "Ranks a window's `target_bs` is counted over: all of them with `global_window`, else 1"; return process_count() if self.global_window else 1
@@ -47,9 +40,12 @@ class WindowPlan:
         if not self.by_items: return target or self.n_step()
         return max(1, math.ceil((target or self.target_bs())/(bs*self.ranks)))
 
-    def check_ranks(self, learn):
+    def check_ranks(self, learn, cut:bool=False):
         "At fit start, before anything is set up: with `global_window` over several processes, can they share each window?"
         dl = learn.dls.train
+        if self.global_window and cut:
+            raise ValueError("GradientAccumulation(global_window=True) deals whole loader batches to the ranks: "
+                             "remove `MicroBatching` from the Learner")
         if not (self.global_window and process_count() > 1): return
         check_fastai_sharding(learn)
         check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial, bool(getattr(dl, 'drop_last', False)))

@@ -4,30 +4,21 @@ import math
 from collections.abc import Mapping
 from numbers import Integral
 
-from ..core.args import NotWholeNumber, flag, whole_number   # (re-exported for code that read them from here)
+from ..core.args import whole_number   # (re-exported for code that read them from here)
 
 __all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started', 'WindowClock']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
 
-def window_arguments(n_step=None, target_bs=None, n_acc=None, partial=None, cut:bool=False):
-    """`GradientAccumulation`'s window arguments, checked: `(n_step, target_bs, partial)`, the first two as
-    `WindowSchedule`s or None. `n_acc` is fastai's spelling of `target_bs` (windows carried over epochs, as fastai does;
-    32 when nothing is given); `cut` (loader batches cut into micro-batches): the window is one loader batch by default"""
-    if n_step is None and target_bs is None and n_acc is None and not cut: n_acc = 32   # fastai's default
-    if n_acc is not None:   # fastai's callback: `n_acc` counts items (a float such as 1e6 too); windows span epochs
-        if target_bs is not None: raise ValueError(f"Give `target_bs` or fastai's `n_acc` (the same thing), not both; got {target_bs!r} and {n_acc!r}")
-        if isinstance(n_acc, float) and n_acc.is_integer(): n_acc = int(n_acc)
-        target_bs,partial = n_acc,('carry' if partial is None else partial)
+def window_arguments(n_step=None, target_bs=None, partial=None):
+    "`GradientAccumulation`'s window arguments, checked: `(n_step, target_bs, partial)`, the first two as `WindowSchedule`s or None"
     if n_step is not None and target_bs is not None:
         raise ValueError("Give exactly one of `n_step` (micro-batches per optimizer step) or `target_bs` "
-                         f"(items per optimizer step), or `micro_bs` alone (one step per loader batch); got "
-                         f"n_step={n_step!r}, target_bs={target_bs!r}")
-    if cut and n_step is None and target_bs is None: n_step = 1   # the window is the loader batch
+                         f"(items per optimizer step); got n_step={n_step!r}, target_bs={target_bs!r}")
     if partial is None: partial = 'step'
     if not isinstance(partial, str) or partial not in PARTIAL_MODES:
         raise ValueError(f"`partial` must be one of {PARTIAL_MODES}, got {partial!r}")
-    return as_window_schedule(n_step, 'n_step'),as_window_schedule(target_bs, 'target_bs' if n_acc is None else 'n_acc'),partial
+    return as_window_schedule(n_step, 'n_step'),as_window_schedule(target_bs, 'target_bs'),partial
 
 class WindowSchedule:
     "The window size (micro-batches or items) in force at a point of training: `sched(pct_train, epoch) -> int`"

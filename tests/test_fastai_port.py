@@ -1,7 +1,7 @@
 """Coming from fastai (issue 44): a recipe ported by changing one import trains the way its author meant, or says why not.
 
-fastai's `GradientAccumulation(n_acc)` counts samples; ours reads a count without its name as `n_step` (micro-batches)
-and says so at fit start with the steps an epoch each reading gives. A recipe's own `from fastai.vision.all import *`
+fastai's `GradientAccumulation(n_acc)` counts samples; ours refuses a count without its name (`n_step=` counts
+micro-batches, `target_bs=` items: tests/test_accumulate.py). A recipe's own `from fastai.vision.all import *`
 after ours gives fastai's class back under the name: `learn.accumulate(n_acc=...)`, a Learner method no import replaces,
 is the migration line that survives it."""
 import copy, warnings
@@ -42,7 +42,7 @@ class StepSpy(Callback):
         self.buf = []
 
 def test_the_migration_line_survives_the_recipes_star_import():
-    from accum_callback.accumulate import GradientAccumulation as Ours
+    from accum_callback.window.accumulate import GradientAccumulation as Ours
     from helpers import MLP
     x,y = make_data(100, seed=2).tensors
     ns = dict(ds_train=list(zip(x[:96], y[:96])), ds_valid=list(zip(x[96:], y[96:])), model=MLP(n_out=3), spy=StepSpy())
@@ -52,23 +52,9 @@ def test_the_migration_line_survives_the_recipes_star_import():
     learn = ns['learn']
     assert ns['GradientAccumulation'] is not Ours   # what the star import left under the name
     ga = [cb for cb in learn.cbs if isinstance(cb, (Ours, ns['GradientAccumulation']))]
-    assert len(ga) == 1 and isinstance(ga[0], Ours) and ga[0].n_acc == 32
+    assert len(ga) == 1 and isinstance(ga[0], Ours) and ga[0].plan.target_bs() == 32 and ga[0].plan.partial == 'carry'
     spy = ns['spy']
     assert spy.sizes == [32]*6 and max(spy.errs) <= 1e-5, spy.errs   # 96 samples an epoch: 3 steps of 32, exact
-
-def test_a_count_without_its_name_says_both_readings():
-    "`GradientAccumulation(64)` in a recipe meant 64 samples; ours reads 64 micro-batches: said at fit start, with numbers"
-    from accum_callback import GradientAccumulation
-    from helpers import fit_quiet, make_learner
-    learn = make_learner(make_data(512), 16, cbs=[GradientAccumulation(64)])
-    with pytest.warns(UserWarning, match=r"GradientAccumulation\(64\): a count without its name is read as n_step, 64 "
-                      r"micro-batches a step \(64 batches of 16 = 1024 items, 1 optimizer steps an epoch here\); "
-                      r"fastai's GradientAccumulation\(64\) counts samples \(n_acc=64: 8 steps an epoch\)"):
-        fit_quiet(learn, 1)
-    learn = make_learner(make_data(512), 16, cbs=[GradientAccumulation(n_step=24)])
-    with pytest.warns(UserWarning, match=r"n_step=24 makes a window of 24 of the epoch's 32 loader batches: 2 optimizer"):
-        fit_quiet(learn, 1)
-    with pytest.raises(TypeError, match='give one, by name'): GradientAccumulation(4, n_step=4)
 
 class EvalBN(Callback):
     "BatchNorm on its running statistics in training too, so that the gradient measures the accumulation alone"
