@@ -52,7 +52,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         self.plan = WindowPlan(n_step, target_bs, partial, global_window=global_window)
         self.n_items,self.skip_nonfinite = check_n_items(n_items),flag(skip_nonfinite, 'skip_nonfinite')
         self.sync = SyncPolicy()
-        self.mb,self._new_fit,self.window_listeners = None,False,Listeners()
+        self.mb,self._joined,self._new_fit,self.window_listeners = None,[],False,Listeners()
         self.said = set()   # what `advice` has said at fit start (once each: 'window', 'layers', 'fsdp')
         self._ahead,self.window,self.padding = None,Window(),Padding()   # the loader read ahead; the open window; padding
         self.reset_logs()
@@ -114,8 +114,8 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         learn = self.learn
         if learn is None: return
         if self._ahead is not None: learn.dl,self._ahead = self._ahead.dl,None
-        for cb in self._joined:
-            if isinstance(cb, WindowedLRFinder): cb.finish()
+        for cb in self._joined: cb.finish()
+        learn.remove_cbs(self._joined); self._joined = []   # joined for the fit: they leave with it
         learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, CutLoader) and cb.mb is self])
 
     def after_train(self):
