@@ -65,6 +65,22 @@ class GradientAccumulation(Callback, WindowOwner, BringsCallbacks, ResumeSignatu
         self._ahead,self.window,self.padding = None,Window(),Padding()   # the training loader read ahead; the window in progress; a padding micro-batch
         self.reset_logs()
 
+    def __repr__(self):
+        "The callback and its window: `GradientAccumulation(n_step=8): 4 x 8 = 32 per step` once on a Learner"
+        return f"{type(self).__name__}({repr(self.plan.sched).partition('(')[2][:-1]}): {self.window_text()}"
+
+    def window_text(self)->str:
+        "The window in words: micro-batch size x micro-batches = items per optimizer step (at the training loader's `bs`)"
+        sc,dls = self.plan.sched,getattr(self.learn, 'dls', None) if self.learn is not None else None
+        bs = getattr(getattr(dls, 'train', None), 'bs', None)
+        if sc.constant is None: return 'a window that changes over the fit (a schedule)'
+        if not bs: return f"{sc.constant} {'items' if self.plan.by_items else 'micro-batches'} per optimizer step"
+        mb = micro_batching(self.learn)
+        k = self.plan.micro_batches(self.window, bs, None)
+        cut = mb.size if mb is not None and mb.size and not mb.auto and mb.size < bs else None
+        if cut: return f"{bs} x {k} = {bs*k} per step (each loader batch of {bs} in {mb.pieces(bs)} micro-batches of {cut})"
+        return f"{bs} x {k} = {bs*k} per step"
+
     resume_keys = ('window',)
     def resume_signature(self)->dict: "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
     def companions(self)->list: "The `MicroBatching` of `micro_bs`"; return [self.companion] if self.companion is not None else []
