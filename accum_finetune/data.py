@@ -72,6 +72,14 @@ def image_exts()->set:
     from fastai.data.transforms import image_extensions
     return IMAGE_EXTS | set(image_extensions)
 
+# what training writes into a Learner's `path` (fastai's `model_dir`, `Checkpoint`'s default and files): not classes
+TRAINING_OUTPUTS,TRAINING_FILES = ('models', 'checkpoints'),('.pt', '.pth', '.pkl')
+
+def _training_output(folder:Path)->bool:
+    "A folder with no image that training wrote: `models/`, `checkpoints/`, or one holding only weights and checkpoints"
+    files = [f for f in folder.rglob('*') if f.is_file()]
+    return folder.name in TRAINING_OUTPUTS or (bool(files) and all(f.suffix in TRAINING_FILES for f in files))
+
 def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
     "`{class: [files]}` of the class sub-folders of `folder`, every image decoded once to check it (`decode`)"
     from PIL import Image
@@ -80,6 +88,7 @@ def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
     found = {}
     for c in classes:
         files = sorted(f for f in c.rglob('*') if f.is_file() and f.suffix.lower() in image_exts())
+        if not files and _training_output(c): continue   # what fastai (`lr_find`, `learn.save`) or `Checkpoint` wrote there
         if not files: raise DataError(f"--data {path}: class folder {c} has no images")
         for f in (files if decode else ()):
             try:

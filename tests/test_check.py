@@ -50,7 +50,7 @@ def test_weighted_ignored_and_summed_losses_are_exact_by_default(name):
 
 # == learn.check_accumulation() ===========================================================================================
 from accum_callback import check_accumulation, AccumulationReport
-from accum_callback.check.accumulation import CHECK_CAUSES
+from accum_callback.check.accumulation import CHECK_CAUSES, EXPECTED_CAUSES
 from helpers import MLP
 
 class Net(nn.Module):
@@ -100,7 +100,9 @@ def test_verdict_and_cause(case, cause):
     else:
         assert not r.exact and r.rel_error > r.tol and r.causes == (cause,), r
         assert cause in CHECK_CAUSES and r.advice[cause] and r.errors[cause] > r.tol
-        assert cause in str(r) and 'NOT exact' in str(r) and '| verdict |' in r._repr_markdown_()
+        said = 'differs only where expected' if cause in EXPECTED_CAUSES else 'NOT exact'
+        assert r.level == ('expected' if cause in EXPECTED_CAUSES else 'not exact'), r
+        assert cause in str(r) and said in str(r) and '| verdict |' in r._repr_markdown_()
 
 def test_two_causes_at_once():
     r = learner(model=Net(bn=True, p=0.5), loss='sum').check_accumulation()

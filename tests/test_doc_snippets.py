@@ -3,7 +3,9 @@ what it needs on the line before it: `<!-- snippet: runs if PACKAGE -->` runs wh
 with the NAMES this file provides (`dls`: 96 of scikit-learn's digits as 1x8x8 images in batches of 8, `model`: the
 README quickstart's small BatchNorm net, `learn`: a Learner of both), each in a fresh namespace; `<!-- snippet: needs
 ... -->` (torchrun, pretrained weights, a download, a GPU), `a sketch` and `a signature` are read, not run: a sketch and
-a `needs` snippet must at least compile. A snippet with no marker runs as written."""
+a `needs` snippet must at least compile. `<!-- snippet: runs on an image folder -->` runs in a folder holding
+`my_images/` (two classes of small images made here), with `pretrained=False` added to `vision_learner(dls, resnet18,`
+(no weights can be downloaded). A snippet with no marker runs as written."""
 import re, warnings
 from pathlib import Path
 
@@ -40,6 +42,17 @@ def context(names:set)->dict:
     ns.update({k: v for k,v in given.items() if k in names})
     return ns
 
+def image_folder(path, classes=('cat', 'dog'), n:int=10):
+    "`path/<class>/<i>.png`: `n` small random RGB images a class, each class of its own mean colour"
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for k,c in enumerate(classes):
+        (path/c).mkdir(parents=True)
+        for i in range(n):
+            a = np.clip(rng.normal(80 + 100*k, 40, (40, 40, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(a).save(path/c/f'{i}.png')
+
 @pytest.mark.parametrize('page,marker,code', list(snippets()))
 def test_every_snippet_runs_or_says_what_it_needs(page, marker, code, tmp_path, monkeypatch):
     import matplotlib; matplotlib.use('Agg')
@@ -49,6 +62,10 @@ def test_every_snippet_runs_or_says_what_it_needs(page, marker, code, tmp_path, 
         return
     if marker is not None and marker.startswith('runs if '):   # (a package the tests extra has, that the snippet needs)
         pytest.importorskip(marker[len('runs if '):].strip()); marker = None
+    if marker == 'runs on an image folder':   # (the README's from_folder: a folder made here, no pretrained download)
+        image_folder(tmp_path/'my_images')
+        assert 'vision_learner(dls, resnet18,' in code, "the snippet's documented substitution no longer applies"
+        code,marker = code.replace('vision_learner(dls, resnet18,', 'vision_learner(dls, resnet18, pretrained=False,'),None
     if marker is None or marker.startswith('runs with'):
         names = set(re.findall(r'\w+', marker[len('runs with'):])) if marker else set()
         ns = context(names) if marker else {}

@@ -24,7 +24,7 @@ from ..compat.torch import rngs_kept
 from .replay import Replay, flat_out, micro_batches, training_model
 from ..core.args import whole_number
 
-__all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE']
+__all__ = ['check_accumulation', 'AccumulationReport', 'CHECK_CAUSES', 'CAUSE_ADVICE', 'EXPECTED_CAUSES']
 
 CHECK_CAUSES = ('loss_not_mean', 'n_items', 'regularizer', 'batchnorm', 'checkpoint', 'dropout', 'train_state', 'not_per_sample',
                 'nonfinite', 'unexplained')
@@ -56,6 +56,9 @@ CAUSE_ADVICE = dict(
     unexplained="the difference stays with BatchNorm, dropout and the loss ruled out: a layer or loss this check does not "
                 "model (please report it)")
 
+# the causes of a difference micro-batches must make, whatever the rule: the verdict's middle level
+EXPECTED_CAUSES = dict(batchnorm="BatchNorm's micro-batch statistics", dropout="dropout's masks")
+
 # relative error that counts as exact, by the dtype the model computes in
 _TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
@@ -67,7 +70,7 @@ class AccumulationReport:
     (relative; the gradient with only that suspect on, or for the loss causes the loss of the whole batch against the
     counts-weighted losses of its parts); `advice`: one line per cause; `note`: how the micro-batches were chosen where
     not as the Learner's window stands (`micro_bs='auto'` before it has cut a batch)"""
-    exact: bool
+    exact: bool   # (`level`: the verdict in three levels)
     rel_error: float
     tol: float
     dtype: str
@@ -80,8 +83,21 @@ class AccumulationReport:
     reference: str = 'device'   # where the big batch ran: the model's device, or 'cpu' after an out-of-memory error
     note: str = ''              # how the micro-batches were chosen, where not the Learner's window as it stands
 
+    @property
+    def level(self)->str:
+        """The verdict in three levels: 'exact'; 'expected' (it differs only where micro-batches must: BatchNorm's
+        micro-batch statistics, dropout's masks); 'not exact' (a cause with a fix, or one unexplained)"""
+        if self.exact: return 'exact'
+        return 'expected' if self.causes and set(self.causes) <= set(EXPECTED_CAUSES) else 'not exact'
+    def verdict(self)->str:
+        "The verdict's line"
+        if self.level == 'exact': return 'exact'
+        if self.level == 'expected':
+            return f"differs only where expected ({', '.join(EXPECTED_CAUSES[c] for c in self.causes)}); the fix, if wanted, below"
+        fix = [c for c in self.causes if c not in EXPECTED_CAUSES]
+        return f"NOT exact ({', '.join(fix)}): the fix below" if fix else 'NOT exact'
     def rows(self)->list:
-        rows = [('verdict', 'exact' if self.exact else 'NOT exact'),
+        rows = [('verdict', self.verdict()),
                 ('relative error', f'{self.rel_error:.2e} (tolerance {self.tol:.0e}, {self.dtype})'),
                 ('micro-batches', f"{self.n_step} of {'+'.join(map(str, self.micro_sizes))} items against one batch of {sum(self.micro_sizes)}")]
         if self.worst: rows.append(('worst tensors', ', '.join(f'{n} {e:.1e}' for n,e in self.worst)))

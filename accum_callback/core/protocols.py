@@ -11,7 +11,7 @@ from ..compat.fastai import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
 __all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
-           'refuse_at_fit_start', 'refuse_accumulation_conflicts']
+           'refuse_at_fit_start', 'refuse_accumulation_conflicts', 'say_fastai_accumulation']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
@@ -174,10 +174,23 @@ def refuse_at_fit_start(learn):
     by the first of them to see `before_fit`, before any of them sets anything up: a refused fit leaves the Learner as
     it was (no cut loader, no wrapper, no hook), whichever of ours refuses"""
     refuse_twins(learn)
+    say_fastai_accumulation(learn)
     for cb in learn.cbs.sorted('order'):   # the protocol: a callback with a `refuse_fit()`, ours or a user's
         if callable(getattr(type(cb), 'refuse_fit', None)): cb.refuse_fit()   # on the class: fastai passes names on
     for cb in learn.cbs:   # fastai's `remove_cb` of a refused `fit(cbs=[twin])` deleted the name the two shared
         if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
+
+def say_fastai_accumulation(learn):
+    """fastai's `GradientAccumulation` where ours is not on the Learner: the name was fastai's when the callback was made
+    (`from fastai.vision.all import *` after `from accum_callback import ...` rebinds it), said before it trains inexactly
+    by the first of our callbacks to start the fit (a `BatchNormAccumulation`, a `Checkpoint` beside it)"""
+    if any(isinstance(cb, WindowOwner) for cb in learn.cbs): return   # (both: `refuse_accumulation_conflicts`)
+    if any(isinstance(cb, FastaiGradientAccumulation) for cb in learn.cbs):
+        import warnings   # (said, not refused: fastai's callback beside our others may be meant)
+        warnings.warn("cbs holds fastai's GradientAccumulation, not accum_callback's (inexact): `from fastai.vision.all import *` "
+                      "after `from accum_callback import GradientAccumulation` rebinds the name to fastai's. Import "
+                      "accum_callback after fastai's star import, or call learn.accumulate(n_acc=...), which puts ours in its place",
+                      stacklevel=4)
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

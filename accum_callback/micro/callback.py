@@ -53,6 +53,11 @@ class MicroBatching(Callback, ResumeSignature):
         self.trials,self.loader,self.rows,self.inference,self.snapshot = {},None,RowStates([]),InferenceCutter(),None
         self._probe,self._serial,self._sync_bn_checked,self.agreed,self._listeners = None,0,False,False,Listeners()
 
+    def __repr__(self):
+        "`MicroBatching(4)`, or `MicroBatching('auto')` with the size it has settled on"
+        now = f": {self.size} items a micro-batch now" if self.auto and self.size else ''
+        return f"{type(self).__name__}({self.mode!r}){now}"
+
     resume_keys = ('micro_bs',)
     def resume_signature(self)->dict: "A resume must cut as this fit does"; return {'micro_bs': self.mode}
     @property

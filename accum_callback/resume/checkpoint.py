@@ -33,6 +33,10 @@ _write,_MAGIC = write_checkpoint,MAGIC   # (the name bench/checkpoint_cost.py ti
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
 
+# a run of the same data and arguments (another seed) resumes a checkpoint in its folder as a re-run would: said with the fix
+_OWN_RUN = ("a run of its own (another seed, a sweep) needs a folder of its own: Checkpoint(f'checkpoints/seed{seed}'); "
+            "Checkpoint(resume=False) trains it again here")
+
 class Checkpoint(Callback):
     """Save the fit every `every` optimizer steps, every `minutes`, at epoch ends (`epoch_end`) and when the process is
     asked to stop (SIGTERM, SIGINT: saved at the next micro-batch's end, then the fit stops: `KeyboardInterrupt`, or for
@@ -272,9 +276,9 @@ class Checkpoint(Callback):
                 self._load(st)
             self._skip_epochs(self.learn.n_epoch)
             warnings.warn(f"Checkpoint: this fit finished before ({self.resumed_from}): nothing is trained, the model is as it ended; "
-                          "Checkpoint(resume=False) or another `path` trains it again" if st is not None else "Checkpoint: this fit "
+                          f"{_OWN_RUN}" if st is not None else "Checkpoint: this fit "
                           "finished before a later fit's checkpoint, and no record of its end is kept: nothing is trained and the model "
-                          "is NOT as it ended; Checkpoint(resume=False) or another `path` trains it again", stacklevel=2)
+                          f"is NOT as it ended; {_OWN_RUN}", stacklevel=2)
             return
         if sig['fit'] < now['fit']: return   # (an earlier fit's: this one starts afresh)
         refuse_changes(sig, now, self.resumed_from, self.strict)

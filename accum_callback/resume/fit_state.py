@@ -30,11 +30,27 @@ def refuse_changes(old:dict, new:dict, f, strict:bool=True):
     if 'model' in changed:
         raise CheckpointError(f"Checkpoint: {f} is of a model of other shapes; start afresh with "
                               "Checkpoint(..., resume=False) or another `path`")
-    what = '; '.join(f"{k}: {old[k]!r} then, {new.get(k)!r} now" for k in changed)
+    what = '; '.join(_say_change(k, old.get(k), new.get(k)) for k in changed)
     if strict:
         raise CheckpointError(f"Checkpoint: cannot resume {f} exactly, {what}. Run the fit as it was, "
-                              "start afresh with Checkpoint(..., resume=False), or accept it with strict=False")
+                              "start afresh with Checkpoint(..., resume=False) or another `path`, or accept it with strict=False")
     warnings.warn(f"Checkpoint: resuming {f} with {what} (strict=False): not the run it would have been", stacklevel=4)
+
+def _say_change(k:str, old, new)->str:
+    "One changed key of a fit's signature in words: a schedule or hyper-parameters by the values that changed, not whole"
+    if k == 'schedule' and isinstance(old, dict) and isinstance(new, dict):
+        peak = lambda v: max(_flat(v)) if _flat(v) else v
+        said = [f"{'lr_max' if h == 'lr' else h} {_num(peak(old.get(h)))} then, {_num(peak(new.get(h)))} now"
+                for h in dict.fromkeys([*old, *new]) if old.get(h) != new.get(h)]
+        return f"the schedule's {'; '.join(said)} (its peak)" if said else f"{k} changed"
+    if k == 'hyper-parameters' and isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        said = [f"{h} {_num(a.get(h))} then, {_num(b.get(h))} now" for a,b in zip(old, new) if isinstance(a, dict) and isinstance(b, dict)
+                for h in dict.fromkeys([*a, *b]) if a.get(h) != b.get(h)]
+        return f"the fit's {'; '.join(dict.fromkeys(said))}" if said else f"{k} changed"
+    return f"{k}: {old!r:.200} then, {new!r:.200} now"
+
+def _flat(v)->list: return [y for x in v for y in _flat(x)] if isinstance(v, (list, tuple)) else ([v] if isinstance(v, (int, float)) else [])
+def _num(v)->str: return f"{v:.3g}" if isinstance(v, float) else repr(v)
 
 def signature_changes(old:dict, new:dict)->list:
     """The keys whose values differ between a checkpoint's signature `old` and this fit's `new`: every key `old` holds

@@ -1,6 +1,7 @@
 "Exact gradient accumulation for fastai: every optimizer step gets the gradient one large batch of the same samples gives"
 from __future__ import annotations
 
+import torch, torch.nn as nn
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
@@ -10,7 +11,8 @@ from fastcore.basics import patch
 
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
 from ..core.protocols import (Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
-                               refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard)
+                               refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard,
+                               trained_bn_layers)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
 from ..micro import MicroBatching, micro_batching
 from ..core.loaders import ReadAhead
@@ -57,6 +59,22 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         self._ahead,self.window,self.padding = None,Window(),Padding()   # the loader read ahead; the open window; padding
         self.reset_logs()
 
+    def __repr__(self):
+        "The callback and its window: `GradientAccumulation(n_step=8): 4 x 8 = 32 per step` once on a Learner"
+        return f"{type(self).__name__}({repr(self.plan.sched).partition('(')[2][:-1]}): {self.window_text()}"
+
+    def window_text(self)->str:
+        "The window in words: micro-batch size x micro-batches = items per optimizer step (at the training loader's `bs`)"
+        sc,dls = self.plan.sched,getattr(self.learn, 'dls', None) if self.learn is not None else None
+        bs = getattr(getattr(dls, 'train', None), 'bs', None)
+        if sc.constant is None: return 'a window that changes over the fit (a schedule)'
+        if not bs: return f"{sc.constant} {'items' if self.plan.by_items else 'micro-batches'} per optimizer step"
+        mb = micro_batching(self.learn)
+        k = self.plan.micro_batches(self.window, bs, None)
+        cut = mb.size if mb is not None and mb.size and not mb.auto and mb.size < bs else None
+        if cut: return f"{bs} x {k} = {bs*k} per step (each loader batch of {bs} in {mb.pieces(bs)} micro-batches of {cut})"
+        return f"{bs} x {k} = {bs*k} per step"
+
     resume_keys = ('window',)
     def resume_signature(self)->dict: "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
 
@@ -88,6 +106,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
+        self._bn_hooks = one_value_hooks(self.learn)   # until the first training micro-batch's forward is done
         if (f := lr_finder(self.learn)) is not None:   # `lr_find`: a rate a step (joined now: its `before_fit` by hand)
             self.learn.add_cb(w := WindowedLRFinder(self, f)); self._joined.append(w); w.before_fit()
 
@@ -95,6 +114,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         "What this fit is refused for (`protocols.refuse_at_fit_start`)"
         refuse_accumulation_conflicts(self.learn)
         self.plan.check_ranks(self.learn, cut=micro_batching(self.learn) is not None)
+        refuse_unreduced_loss(self.learn.loss_func)
 
     def after_fit(self):
         if in_inference(self.learn): return
@@ -108,8 +128,14 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         "(`CutLoader`, once the loader is final) Read the training loader ahead: the window ends where the loader really ends"
         self._ahead = self.learn.dl = ReadAhead(self.plan.loader(self.learn.dl, self.learn.model))
 
+    def after_pred(self): self._remove_bn_hooks()
+    def _remove_bn_hooks(self):
+        for h in getattr(self, '_bn_hooks', ()): h.remove()
+        self._bn_hooks = []
+
     def _unhook(self):
         "The fit is over (or left by an exception): the window discarded, the loader and the callback list as before the fit"
+        self._remove_bn_hooks()
         self._discard_window()
         learn = self.learn
         if learn is None: return
@@ -222,6 +248,31 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         else: w.reset()
 
     def _ranks_retry(self)->bool: "MicroBatching('auto') under DDP: the ranks agree on every retry"; return self.mb is not None and self.mb.manual_sync
+
+def refuse_unreduced_loss(loss_func):
+    "A loss with `reduction='none'` gives one loss per item: fastai's backward needs one number (the mean, or a sum)"
+    f = getattr(loss_func, 'func', loss_func)   # (fastai's `CrossEntropyLossFlat` and other `BaseLoss` hold torch's loss there)
+    if getattr(loss_func, 'reduction', None) == 'none' or (isinstance(f, nn.Module) and getattr(f, 'reduction', None) == 'none'):
+        raise ValueError(f"loss_func {type(loss_func).__name__}(reduction='none') gives a loss per item, and fastai's backward "
+                         "needs one number: give the Learner the default reduction='mean' (e.g. nn.CrossEntropyLoss()), or "
+                         "reduce it yourself: loss_func=lambda out, *y: loss(out, *y).mean()")
+
+def one_value_hooks(learn)->list:
+    """Forward pre-hooks on the BatchNorm layers training updates, removed after the fit's first forward: a layer given one
+    value per channel (micro-batches of one item) is refused naming the fix, before torch raises deep in the forward"""
+    def check(name):
+        def hook(m, args):
+            x = args[0] if args else None
+            if m.training and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() == x.shape[1]:
+                # (a head's BatchNorm1d on (N, C) as GroupNorm would output its bias only: frozen instead)
+                fix = "'freeze'" if x.dim() == 2 else "'groupnorm') (or 'freeze'"
+                raise ValueError(f"BatchNorm layer {name!r} gets 1 value per channel: micro-batches of 1 item (the loader's "
+                                 f"bs={find_bs(learn.yb) if len(learn.yb) else 1}, or MicroBatching's size) cannot be "
+                                 f"normalised. Give cbs=BatchNormAccumulation({fix}), or micro-batches of 2 or more items "
+                                 "(the loader's bs=, MicroBatching(2))")
+        return hook
+    layers = {id(m) for m in trained_bn_layers(learn.model)}
+    return [m.register_forward_pre_hook(check(n)) for n,m in learn.model.named_modules() if id(m) in layers]
 
 @patch
 def accumulate(self:Learner,

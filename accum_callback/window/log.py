@@ -48,3 +48,16 @@ class WindowLog:
         ax.set_xlabel('optimizer step'); ax.set_ylabel('window loss (item-weighted mean)')
         if new: ax.figure.tight_layout()
         return ax
+
+    def plot_loss(self, recorder=None, ax=None):
+        """fastai's `learn.recorder.plot_loss()` counted in optimizer steps rather than micro-batches: each step's window
+        loss, and the validation loss of each epoch of `recorder` (the Learner's, by default) at the step it ended on"""
+        import bisect, itertools
+        ax = self.plot_windows(ax)
+        ax.lines[0].set_label('train (window loss)')
+        rec = recorder if recorder is not None else self.learn.recorder
+        ends = list(itertools.accumulate(self.window_micro))   # micro-batches run by the end of each step
+        valid = [(bisect.bisect_left(ends, it) + 1, v[1]) for it,v in zip(rec.iters, rec.values) if len(v) > 1]
+        if valid: ax.plot(*zip(*valid), marker='o', label='valid')
+        ax.set_ylabel('loss'); ax.legend()
+        return ax

@@ -1,0 +1,131 @@
+"""The mistakes a newcomer makes first, each made as a newcomer makes it: one line naming the argument and the fix, said
+before anything trains (the weights are checked unchanged where the fit is refused)"""
+import warnings
+import pytest, torch, torch.nn as nn
+from torch.utils.data import TensorDataset
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.callback.training import GradientAccumulation as FastaiGA
+
+from accum_callback import GradientAccumulation, BatchNormAccumulation, Checkpoint, MicroBatching
+from accum_callback.resume.format import CheckpointError
+from helpers import make_dls
+
+def data(n=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+def net(bn=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), *([nn.BatchNorm1d(8)] if bn else []), nn.ReLU(), nn.Linear(8, 3))
+
+def learner(cbs, bs=4, loss=None, bn=True, seed=0, **kw):
+    learn = Learner(make_dls(data(), bs), net(bn, seed), loss_func=loss or nn.CrossEntropyLoss(), cbs=cbs, **kw)
+    learn.recorder.train_metrics = False
+    return learn
+
+def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
+def same(a, b): return all(torch.equal(x, y) for x,y in zip(a, b))
+
+def refused(learn, match, exc=ValueError, fit=lambda l: l.fit(1, 1e-2)):
+    "The fit is refused with `match` in its one line, and nothing trained"
+    before = weights(learn)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with pytest.raises(exc, match=match): fit(learn)
+    assert same(before, weights(learn)), 'the refused fit changed the weights'
+
+@pytest.mark.parametrize('loss', [nn.CrossEntropyLoss(reduction='none'), CrossEntropyLossFlat(reduction='none')],
+                         ids=['torch', 'fastai'])
+def test_a_loss_of_reduction_none_is_refused_naming_the_fix(loss):
+    refused(learner([GradientAccumulation(n_step=2)], loss=loss), r"reduction='none'.* reduction='mean'")
+
+def test_batchnorm_given_one_item_names_freeze_or_a_larger_micro_batch():
+    refused(learner([GradientAccumulation(n_step=2), BatchNormAccumulation('pool')], bs=1),
+            r"BatchNorm layer '1' gets 1 value per channel.*BatchNormAccumulation\('freeze'\).*2 or more items")
+    # cut to one item by MicroBatching: the same line
+    refused(learner([GradientAccumulation(n_step=2), MicroBatching(1)], bs=4), r"BatchNorm layer '1' gets 1 value per channel")
+
+def test_the_fix_trains_and_the_check_leaves_no_hook():
+    learn = learner([GradientAccumulation(n_step=2), BatchNormAccumulation('freeze')], bs=1)
+    before = weights(learn)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, 1e-2)
+    assert not same(before, weights(learn)) and learn.gradient_accumulation.steps == 24
+    assert not any(m._forward_pre_hooks for m in learn.model.modules())
+    # micro-batches of 2 with BatchNorm training: nothing said, and no hook left either
+    learn = learner([GradientAccumulation(n_step=2)], bs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, 1e-2)
+    assert learn.gradient_accumulation.steps == 12 and not any(m._forward_pre_hooks for m in learn.model.modules())
+
+def test_fastai_callback_under_our_name_is_said_at_fit_start(tmp_path):
+    "The star import's shadow: fastai's callback beside ours is said in one line; ours alone says nothing of it"
+    learn = learner([FastaiGA(8), Checkpoint(tmp_path/'a')])
+    with pytest.warns(UserWarning, match=r"fastai's GradientAccumulation, not accum_callback's.*learn.accumulate\(n_acc="):
+        learn.fit(1, 1e-2)
+    learn = learner([GradientAccumulation(n_step=2), Checkpoint(tmp_path/'b')])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        learn.fit(1, 1e-2)
+    assert not [w for w in said if "fastai's GradientAccumulation" in str(w.message)]
+
+def test_a_changed_lr_under_checkpoint_says_the_values(tmp_path):
+    cbs = lambda: [GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ckpt')]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learner(cbs()).fit_one_cycle(1, 3e-3)
+    refused(learner(cbs()), r"lr_max 0.003 then, 0.01 now.*resume=False\) or another `path`", CheckpointError,
+            fit=lambda l: l.fit_one_cycle(1, 1e-2))
+
+def test_a_seed_sweep_in_one_folder_says_a_folder_a_run(tmp_path):
+    "Another seed, the same data and arguments, one folder: the second run is told to take a folder of its own"
+    fit = lambda learn: learn.fit(1, 1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        fit(first := learner([GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ckpt')], seed=0))
+    second = learner([GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ckpt')], seed=1)
+    with pytest.warns(UserWarning, match=r"this fit finished before.*a folder of its own: Checkpoint\(f'checkpoints/seed\{seed\}'\)"):
+        fit(second)
+    assert same(weights(first), weights(second))   # (what the line says: the first one's weights)
+    # a folder a run: each trains
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        fit(third := learner([GradientAccumulation(n_step=2), Checkpoint(tmp_path/'seed1')], seed=1))
+    assert not same(weights(first), weights(third)) and third.gradient_accumulation.steps == 6
+
+def test_the_window_in_one_line():
+    ga = GradientAccumulation(n_step=8)
+    assert repr(ga) == 'GradientAccumulation(n_step=8): 8 micro-batches per optimizer step'
+    learn = learner([ga])
+    assert repr(learn.gradient_accumulation) == 'GradientAccumulation(n_step=8): 4 x 8 = 32 per step'
+    assert repr(learner([GradientAccumulation(target_bs=30)]).gradient_accumulation).endswith(': 4 x 8 = 32 per step')
+    learn = learner([GradientAccumulation(n_step=2), MicroBatching(2)])
+    assert repr(learn.gradient_accumulation).endswith('4 x 2 = 8 per step (each loader batch of 4 in 2 micro-batches of 2)')
+    assert repr(MicroBatching(2)) == 'MicroBatching(2)' and repr(MicroBatching('auto')) == "MicroBatching('auto')"
+
+def test_plot_loss_counts_optimizer_steps():
+    import matplotlib; matplotlib.use('Agg')
+    learn = learner([GradientAccumulation(n_step=4)], bn=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(2, 1e-2)
+    ga = learn.gradient_accumulation
+    ax = ga.plot_loss()
+    train,valid = ax.lines
+    assert ax.get_xlabel() == 'optimizer step' and list(train.get_xdata()) == list(range(1, ga.steps+1)) == list(range(1, 7))
+    assert list(valid.get_xdata()) == [3, 6] and list(valid.get_ydata()) == [v[1] for v in learn.recorder.values]
+
+def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path):
+    from PIL import Image
+    from accum_finetune.data import DataError, check_folder
+    for c in ('cat', 'dog'):
+        (tmp_path/c).mkdir()
+        for i in range(3): Image.new('RGB', (8, 8), (40*i, 0, 0)).save(tmp_path/c/f'{i}.png')
+    (tmp_path/'models').mkdir()                                      # what lr_find leaves
+    (tmp_path/'ckpt').mkdir(); (tmp_path/'ckpt'/'ckpt-000001.rank0.pt').write_bytes(b'x')   # Checkpoint('ckpt')
+    assert set(check_folder(tmp_path)['all']) == {'cat', 'dog'}
+    (tmp_path/'bird').mkdir()                                        # an empty class folder is still a mistake
+    with pytest.raises(DataError, match='class folder .*bird has no images'): check_folder(tmp_path)
