@@ -37,7 +37,7 @@ def _model(seed=0):
     return nn.Sequential(nn.Flatten(), nn.Linear(PX*PX*3, 2))
 
 @pytest.mark.parametrize('loss', [nn.CrossEntropyLoss(), F.cross_entropy], ids=['nn.CrossEntropyLoss', 'F.cross_entropy'])
-def test_check_and_noise_scale_run_on_a_plain_torch_loss(folder, loss):
+def test_check_and_noise_scale_run_on_a_plain_torch_loss(folder, loss, one_thread):
     "fastai's `TensorImage`/`TensorCategory` reach a torch loss cast, as training casts them, in the check and the noise scale"
     learn = Learner(_dls(folder), _model(), loss_func=loss, cbs=[GradientAccumulation(n_step=2)])
     r = learn.check_accumulation()
@@ -52,7 +52,7 @@ class _Seen(Callback):
     def before_batch(self):
         if self.training: self.xs.append(self.xb); self.ys.append(self.yb)
 
-def test_pieces_outside_training_are_the_batches_training_runs(folder):
+def test_pieces_outside_training_are_the_batches_training_runs(folder, one_thread):
     """The pieces the check and the noise scale read (`loader_pieces`) are, in the loader's own order, the batches the
     training step runs: the same types (plain tensors after fastai's `CastToTensor`) and values, a user's
     `before_batch_cb` applied; nothing of that left on the Learner"""
