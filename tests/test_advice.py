@@ -40,3 +40,19 @@ def test_what_training_does_is_the_same_with_or_without_the_warning():
         warnings.simplefilter('error'); fit_quiet(b, 1)
     assert a.gradient_accumulation.window_sizes == b.gradient_accumulation.window_sizes
     assert all((p == q).all() for p,q in zip(a.model.parameters(), b.model.parameters()))
+
+# -- an epoch shorter than the window (Lightning #21808's complaint) -------------------------------------------------------
+@pytest.mark.parametrize('n', [5, 7])
+def test_an_epoch_shorter_than_the_window_is_said_with_what_to_do(n):
+    """n_step=8 on an epoch of 5 (or 7) loader batches: every window is the epoch, cut short; said once, naming n_step
+    and what to do (a smaller n_step, or partial='carry'); with partial='carry' the windows are whole and nothing is said"""
+    learn = make_learner(make_data(8*n), 8, cbs=[GradientAccumulation(n_step=8)])
+    with pytest.warns(UserWarning, match=rf"epoch \({n} loader batches of 8\) is shorter than the window of n_step=8.*"
+                                         rf"smaller n_step \(at most {n}\), or partial='carry'") as w:
+        fit_quiet(learn, 1)
+    assert sum('GradientAccumulation' in str(x.message) for x in w) == 1
+    assert learn.gradient_accumulation.window_sizes == [8*n]   # (items: the whole epoch, one step)
+    carried = make_learner(make_data(8*n), 8, cbs=[GradientAccumulation(n_step=8, partial='carry')])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', UserWarning)
+        fit_quiet(carried, 2)

@@ -236,3 +236,33 @@ def test_windows_of_any_size_are_one_batch_of_the_same_texts(kind, setup, n, bs,
     else: acc,big = learner(kind, setup, bs*k, [GradientAccumulation(n_step=1), MicroBatching(bs)], n=n),learner(kind, setup, bs*k, n=n)
     a,b = stepped(acc),stepped(big)
     assert len(a) == len(b) == -(-n//(bs*k)) and worst(a, b) < 1e-8, (len(a), len(b), worst(a, b))
+
+# -- a model's own loss when an inference batch runs out of memory under MicroBatching('auto') --------------------------------
+class OOMOverInference(nn.Module):
+    "The model, raising out of memory for an inference batch of more than `n` rows (training passes)"
+    def __init__(self, inner, n): super().__init__(); self.inner,self.n = inner,n
+    def forward(self, x):
+        if not torch.is_grad_enabled() and len(x['input_ids']) > self.n:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated inference: {len(x['input_ids'])} > {self.n})")
+        return self.inner(x)
+
+@pytest.mark.parametrize('kind', ['bert', 'gpt2'])
+def test_a_models_own_loss_is_joined_by_its_counts_when_inference_is_cut(kind):
+    """Validation batches of 4 texts cut into pieces of 2 after an out-of-memory error: the model's own loss of the whole
+    batch is the pieces' losses weighted by what each averages over (BERT: rows; GPT-2: tokens with labels, its texts of
+    other lengths making the unweighted mean differ), as the uncut batch's in `validate`. BERT's loss is float64 (within
+    1e-12); GPT-2's own loss is computed in float32 whatever the model's dtype: within 8 float32 epsilons of it"""
+    from accum_callback import MicroBatching
+    ref = learner(kind, 'dict_own', cbs=[GradientAccumulation(n_step=1)])
+    cut = learner(kind, 'dict_own', cbs=[GradientAccumulation(n_step=1), MicroBatching('auto')])
+    cut.model = OOMOverInference(cut.model, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        want,got = ref.validate()[0],cut.validate()[0]
+        assert cut.micro_batching.inference_bs == 2
+        tol = 1e-12 if kind == 'bert' else 8*torch.finfo(torch.float32).eps
+        assert abs(got - want) <= tol*abs(want)
+        if kind == 'bert': return
+        b = next(iter(cut.dls.valid))
+        halves = [ref.model({k: v[s:s+2] for k,v in b[0].items()}).loss.item() for s in (0, 2)]
+        assert abs(sum(halves)/2 - want) > 1e-6*abs(want)   # (the unweighted join would be wrong: the test can fail)

@@ -224,3 +224,76 @@ def test_timm_matrix(fam, mode):
     if mode not in (None, 'freeze', 'groupnorm'):   # precise=16 recomputed the statistics: finite, and not the init
         bns = [b for b in learn.model.modules() if isinstance(b, BatchNormBase) and b.running_mean is not None]
         assert bns and all(torch.isfinite(b.running_var).all() for b in bns) and any((b.running_var != 1).any() for b in bns)
+
+# -- 4. micro-batches on timm's families: a classifier head's `reset(num_classes)` is not batch state -----------------------
+from accum_callback import MicroBatching
+from accum_callback.micro import StatefulModelError, stateful_modules
+
+# the families fine-tuned with a `ClassifierHead` / `NormMlpClassifierHead` (their `reset(num_classes)` rebuilds the layer);
+# the larger ones behind `-m slow` (creation alone takes seconds)
+# (timm's `test_*` models: its families at their smallest, for the everyday tier)
+HEADED = ('test_convnext', 'test_byobnet', 'test_nfnet')
+HEADED_SLOW = ('convnext_atto', 'edgenext_xx_small', 'regnetx_002', 'ese_vovnet19b_slim_dw', 'cspresnet50', 'vgg11',
+               'nfnet_l0', 'swin_tiny_patch4_window7_224', 'resnetv2_50')
+
+def _headed(name):
+    kw = dict(img_size=32, window_size=4) if name.startswith('swin') else {}
+    return _model(name, **kw)
+
+@pytest.mark.parametrize('name', [*HEADED, *(pytest.param(n, marks=pytest.mark.slow) for n in HEADED_SLOW)])
+def test_timm_heads_are_not_batch_state_and_micro_batches_train(name, one_thread):
+    """`timm.create_model`'s models are not refused by `MicroBatching(4)` or `'auto'`: their heads' `reset` needs
+    arguments (not fastai's `reset()`); a fit of two loader batches of 8 cut into pieces trains (finite, moved)"""
+    model = _headed(name)
+    assert any(callable(getattr(m, 'reset', None)) for m in model.modules())   # (the head this test is about)
+    assert stateful_modules(model) == ([], [])
+    for mb in (4, 'auto'):
+        learn = _learner(copy.deepcopy(model), [GradientAccumulation(n_step=1), MicroBatching(mb)], n=16)
+        before = [p.detach().clone() for p in learn.model.parameters()]
+        learn.fit(1)
+        after = list(learn.model.parameters())
+        assert all(torch.isfinite(p).all() for p in after) and any(not torch.equal(a, b) for a,b in zip(before, after))
+
+def test_micro_batches_of_a_layernorm_timm_model_step_as_one_batch(one_thread):
+    "timm's ConvNeXt (LayerNorm only, no regulariser on): micro-batches of 4 step as one batch of 8, float64"
+    model = _model('test_convnext')
+    assert not any(isinstance(m, BatchNormBase) for m in model.modules())
+    ref = _learner(copy.deepcopy(model), [], n=16); ref.fit(1)
+    got = _learner(copy.deepcopy(model), [GradientAccumulation(n_step=1), MicroBatching(4)], n=16); got.fit(1)
+    w = lambda l: torch.cat([p.detach().reshape(-1) for p in l.model.parameters()])
+    assert rel_err(w(got), w(ref)) <= TOL
+
+def test_vision_learner_timm_bodies_train_under_micro_batches(tmp_path, one_thread):
+    "`vision_learner(dls, 'convnext_atto', pretrained=False)` (timm's body, fastai's head) trains under MicroBatching"
+    import numpy as np
+    from PIL import Image
+    from fastai.vision.all import ImageDataLoaders, vision_learner
+    rng = np.random.default_rng(0)
+    for split,n in (('train', 8), ('valid', 4)):
+        for c in ('a', 'b'):
+            (tmp_path/split/c).mkdir(parents=True)
+            for i in range(n): Image.fromarray((rng.random((32, 32, 3))*255).astype('uint8')).save(tmp_path/split/c/f'{i}.png')
+    dls = ImageDataLoaders.from_folder(tmp_path, bs=8, num_workers=0, device='cpu')
+    for arch in ('test_convnext', 'test_byobnet'):
+        for mb in (4, 'auto'):
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                learn = vision_learner(dls, arch, pretrained=False, cbs=[GradientAccumulation(n_step=1), MicroBatching(mb)])
+            assert stateful_modules(learn.model) == ([], [])
+            learn.fit(1)
+            assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+class _Stateful(nn.Module):
+    "Holds its last output between batches and says so: fastai's `reset()` (no argument), or the declaration"
+    def __init__(self, declare=False):
+        super().__init__(); self.lin,self.h = nn.Linear(3*32*32, 3),None
+        if declare: self.carries_batch_state = True
+        else: self.reset = lambda: setattr(self, 'h', None)
+    def forward(self, x):
+        out = self.lin(x.flatten(1))
+        self.h = out.detach(); return out
+
+@pytest.mark.parametrize('declare', [False, True], ids=['reset()', 'carries_batch_state'])
+def test_modules_that_declare_batch_state_are_still_refused(declare):
+    learn = _learner(_Stateful(declare).double(), [GradientAccumulation(n_step=1), MicroBatching(4)], n=16)
+    with pytest.raises(StatefulModelError, match=r"_Stateful.*declares it"): learn.fit(1)

@@ -16,6 +16,7 @@ from ..compat.torch import rng_states, rngs_kept, set_rng_states, run_eagerly   
 from ..core.distributed import is_distributed, process_count, process_rank
 from ..window.global_window import deal_share
 from ..core.protocols import bn_layers_with_stats, trained_bn_layers   # (re-exported: their home before 0.3)
+from ..core.batches import prepare_batch
 from ..core.loaders import batch_sizes, model_device
 from ..micro.loader import loader_pieces
 from ..micro.pieces import piece_bounds, slice_batch
@@ -204,7 +205,7 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=
         b,nb = to_device(b, model_device(learn.model)),find_bs(b)
         for s,e in piece_bounds(nb, size):
             if (bi, s, e) not in want and not (pad_x is None and real == 0): continue
-            x = _inputs(learn, b if (s, e) == (0, nb) else slice_batch(b, s, e))
+            x = prepare_batch(learn, b if (s, e) == (0, nb) else slice_batch(b, s, e))[0]   # (as training sees it)
             if pad_x is None: pad_x = x
             if (bi, s, e) in want: yield x
         if bi >= b1: break

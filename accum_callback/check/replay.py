@@ -8,10 +8,11 @@ from typing import NamedTuple
 
 import torch
 from fastai.callback.fp16 import MixedPrecision
-from fastai.torch_core import find_bs, to_device
+from fastai.torch_core import find_bs
 
 from ..compat.torch import BatchNormBase
 from ..core.distributed import unwrap
+from ..core.batches import prepare_batch, split_batch, step_kept
 from ..core.losses import loss_reduction, micro_items
 from ..micro import RowStates, cat_outputs, copy_module, stateful_modules
 from ..core.loaders import model_device, own_loader
@@ -57,18 +58,9 @@ def replayed(learn)->list:
             if not isinstance(cb, (MixedPrecision, FastaiGradientAccumulation)) and not type(cb).__module__.startswith('accum_callback')
             and any(callable(getattr(type(cb), e, None)) for e in ('after_pred', 'after_loss'))]
 
-_STEP_KEYS = ('xb', 'yb', 'pred', 'loss', 'loss_grad', 'training')
-
-@contextlib.contextmanager
 def sandbox(learn, cbs:list):
     "Whatever replaying `cbs`' events sets on the Learner (its step's attributes) and on the callbacks is put back after"
-    saved = {k: learn.__dict__[k] for k in _STEP_KEYS if k in learn.__dict__}
-    states = [(cb, dict(cb.__dict__)) for cb in cbs]
-    try: yield
-    finally:
-        for k in _STEP_KEYS: learn.__dict__.pop(k, None)
-        learn.__dict__.update(saved)
-        for cb,d in states: cb.__dict__.clear(); cb.__dict__.update(d)
+    return step_kept(learn, cbs)
 
 def replay_event(learn, cbs:list, event:str):
     for cb in cbs:
@@ -80,9 +72,7 @@ def replay_event(learn, cbs:list, event:str):
             raise RuntimeError(f"check_accumulation: replaying `{type(cb).__name__}.{event}` (what training runs between "
                                f"the model and the backward) on the check's copy {what}") from e
 
-def split_xy(learn, b):
-    i = getattr(learn.dls, 'n_inp', 1 if len(b) == 1 else len(b)-1)
-    return tuple(b[:i]),tuple(b[i:])
+def split_xy(learn, b): "`(xb, yb)` of a prepared batch (`loader_pieces`'s: inputs, then targets)"; return split_batch(learn, b)
 
 class _View:
     "What `n_items(learn)` reads: this micro-batch's `xb`, `yb`, `pred`, `loss`; anything else from the Learner"
@@ -197,7 +187,7 @@ class Replay:
                              "whole loader batches")
         n = sum(e-s for s,e,_ in (self.where[i] for i in idxs))
         b = next(iter(self.dl.new(bs=n, shuffle=False, drop_last=False)))   # (its order: the loader's own, unshuffled)
-        return split_xy(self.learn, to_device(b, model_device(self.model0)))
+        return prepare_batch(self.learn, b)
 
     def pieces(self, m, idxs):
         "Yield the micro-batches `idxs` as `(xb, yb)`; a model with per-row state starts each piece from its own rows"

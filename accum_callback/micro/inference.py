@@ -3,12 +3,14 @@ model's forward or the loss runs out of memory, that call is re-run in pieces of
 and joined, so that the callbacks, the loss value and every metric see the whole batch."""
 from __future__ import annotations
 import gc, warnings
+from collections.abc import Mapping
 
 import torch
 
 from ..core.distributed import is_fsdp, unwrap
-from ..core.losses import loss_items, loss_reduction
-from .pieces import batch_size, cat_outputs, first_line, halved, is_out_of_memory, piece_bounds, slice_batch
+from ..core.losses import loss_items, loss_reduction, model_loss, own_loss_items
+from .pieces import (batch_size, cat_outputs, first_line, halved, is_out_of_memory, mapping_like, piece_bounds,
+                     slice_batch)
 from .state import RowStates, stateful_modules
 
 __all__ = ['InferenceCutter']
@@ -63,17 +65,26 @@ class InferenceCutter:
         rows = self.rows if self.rows else RowStates(stateful_modules(self.learn.model)[0])
         if rows: rows.begin(n)
         try:
-            outs = []
+            outs,counts = [],[]
             for s,e in piece_bounds(n, size):
                 if rows: rows.enter(s, e)
-                outs.append(fwd(*slice_batch(args, s, e), **kw))
+                piece = slice_batch(args, s, e)
+                outs.append(fwd(*piece, **kw))
+                counts.append(self._own_count(outs[-1], piece, e-s))
                 if rows: rows.leave(s, e)
-            out = cat_outputs(outs)
+            out = _joined(outs, counts)
         except BaseException:
             if rows: rows.n = None
             raise
         if rows: rows.end()
         return out
+
+    def _own_count(self, out, xb, rows:int):
+        "What a piece's own loss (a `ModelOutput`'s 0-d `loss`) averages over, as training counts it; its rows otherwise"
+        loss = model_loss(out)
+        if loss is None: return None
+        c = own_loss_items(_PieceView(out, loss, tuple(xb), self.learn.model))
+        return c if c is not None else torch.tensor(float(rows))
 
     @staticmethod
     def _loss_pieces(lf, args, kw, n:int, size:int):
@@ -92,8 +103,28 @@ class InferenceCutter:
         w = torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in ns]).to(loss.device)
         return (torch.where(w > 0, loss.float()*w, 0.).sum()/w.sum()).to(loss.dtype)   # a piece of no item counts nothing
 
+class _PieceView:
+    "What `own_loss_items` reads of a piece: its output, its loss, its inputs, the model"
+    def __init__(self, pred, loss, xb, model): self.pred,self.loss_grad,self.xb,self.model = pred,loss,xb,model
+
+def _joined(outs:list, counts:list):
+    """The pieces' outputs joined along the batch; a model's own 0-d loss (a `ModelOutput`'s `loss`) joined as the mean
+    of the pieces' losses weighted by the counts each averages over (`counts`: tokens with labels, else rows), and
+    what cannot be joined (a key-value cache object) left out"""
+    o = outs[0]
+    if model_loss(o) is None or not isinstance(o, Mapping): return cat_outputs(outs)
+    keep = [k for k,v in o.items() if k != 'loss' and (v is None or isinstance(v, (torch.Tensor, tuple, list, Mapping)))]
+    rest = cat_outputs([{k: x[k] for k in keep} for x in outs])   # (a key-value cache of pieces is no batch's: left out)
+    loss = torch.stack([x['loss'] for x in outs])
+    w = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).to(loss.device)
+    joined = (torch.where(w > 0, loss.double()*w, 0.).sum()/w.sum()).to(loss.dtype)   # a piece of no item counts nothing
+    return mapping_like(o, {'loss': joined, **rest})
+
 class _CutLoss:
     "The Learner's loss in an inference batch under micro_bs='auto': cut into pieces when it runs out of memory"
     def __init__(self, lf, cutter:InferenceCutter): self.lf,self.cutter = lf,cutter
-    def __call__(self, *args, **kw): return self.cutter._cut(self.lf, args, kw, self.cutter._loss_pieces)
+    def __call__(self, *args, **kw):
+        # a model's own loss is in its output, already joined by its counts: reading it needs no piece
+        if args and model_loss(args[0]) is not None: return self.lf(*args, **kw)
+        return self.cutter._cut(self.lf, args, kw, self.cutter._loss_pieces)
     def __getattr__(self, k): return getattr(self.__dict__['lf'], k)   # `activation`, `decodes`, ... as the loss's own

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from fastai.callback.core import Callback
 from fastai.torch_core import find_bs, to_device
 
+from ..core.batches import prepare_batch
 from ..core.distributed import is_distributed
 from ..core.loaders import Feed, ReadAhead, batch_sizes, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
@@ -15,15 +16,17 @@ __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batc
 
 
 def loader_pieces(learn, size:int|None, shuffle:bool=False, seed:int=0, epochs:int=1, drop_last:bool|None=None):
-    """Yield `(micro-batch, (rows start, rows end, loader batch size))` of `own_loader`'s batches on the model's device,
-    each cut into the pieces `MicroBatching(size)` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes"""
+    """Yield `(micro-batch, (rows start, rows end, loader batch size))` of `own_loader`'s batches, each cut into the
+    pieces `MicroBatching(size)` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes; each piece as the training
+    step sees it (`prepare_batch`: the device, fastai's casting, the callbacks' `before_batch`), inputs then targets"""
     dl = own_loader(learn, shuffle, seed, drop_last)
     for _ in range(epochs):
         for b in dl:
             b = to_device(b, model_device(learn.model))
             n = find_bs(b)
             for s,e in piece_bounds(n, size):
-                yield (b if (s, e) == (0, n) else slice_batch(b, s, e)),(s, e, n)
+                xb,yb = prepare_batch(learn, b if (s, e) == (0, n) else slice_batch(b, s, e))
+                yield xb + yb,(s, e, n)
 
 @dataclass
 class Piece:

@@ -8,7 +8,7 @@ import torch
 
 from ..compat.torch import OutOfMemoryError
 
-__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line', 'batch_size', 'batch_tensors']
+__all__ = ['is_out_of_memory', 'n_pieces', 'next_piece', 'piece_bounds', 'halved', 'slice_batch', 'cat_outputs', 'first_line', 'batch_size', 'batch_tensors', 'mapping_like']
 
 _OOM_TEXTS = ('out of memory', 'CUBLAS_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_ALLOC_FAILED', 'CUDNN_STATUS_NOT_SUPPORTED',
               'canUse32BitIndexMath')   # cuDNN/cuBLAS's ways of saying a batch is too large for the device
@@ -57,6 +57,7 @@ def _mapping_like(o:Mapping, d:dict):
     "`d` as a mapping of `o`'s type (a `BatchEncoding`, a `ModelOutput`), or as the dict it is where that type cannot be made from one"
     try: return type(o)(d)
     except TypeError: return d
+mapping_like = _mapping_like   # (public: the inference cutter rebuilds an output's type with it)
 
 def batch_tensors(o)->list:
     """The tensors of a batch or a model output that have a batch dimension, in order: a tensor; the elements of tuples

@@ -2,7 +2,7 @@
 `set_batch_state`): which modules do (`stateful_modules`), the per-row state of a batch cut into pieces (`RowStates`),
 and copying a model that keeps tensors computed in its forward (`copy_module`)."""
 from __future__ import annotations
-import copy, functools
+import copy, functools, inspect
 
 import torch, torch.nn as nn
 
@@ -81,10 +81,27 @@ def _holds_no_state(m)->bool:
     if getattr(m, 'carries_batch_state', None) is False: return True
     return type(m).__name__ == 'SentenceEncoder' and type(m).__module__.startswith('fastai.')
 
+def _resets_batch_state(m)->bool:
+    """Does `m` have fastai's sign of batch state, a `reset()` that `ModelResetter` can call with no argument? A `reset`
+    that takes required arguments is something else (timm's classifier heads: `reset(num_classes)` rebuilds the layer)"""
+    f = getattr(m, 'reset', None)
+    if not callable(f): return False
+    try: inspect.signature(f).bind()
+    except TypeError: return False   # (it needs arguments)
+    except ValueError: return True   # (no signature to read: a builtin, taken at its word)
+    return True
+
+def _declares_state(m)->bool:
+    """Does `m` declare state it carries between batches, which it cannot split per row: `carries_batch_state = True`,
+    or a `reset()` callable without arguments (unless fastai's own modules known to hold nothing)"""
+    if getattr(m, 'carries_batch_state', None) is True: return True
+    return _resets_batch_state(m) and not _known_stateless(m)
+
 def stateful_modules(model:nn.Module)->tuple[list, list]:
     """`(splittable, unsplittable)`: the modules of `model` that carry state from one batch to the next. Splittable: fastai's
     `AWD_LSTM`/`AWD_QRNN`, and any module with `get_batch_state(bs)` and `set_batch_state(state)`. Unsplittable: any other
-    module with a `reset()` method (fastai's sign of a model with state; `ModelResetter` calls it). Not counted: what sits
+    module that declares state (`carries_batch_state = True`, or a `reset()` callable without arguments: fastai's sign of
+    a model with state, which `ModelResetter` calls; a `reset` that needs arguments is not it). Not counted: what sits
     inside a module that holds no state (`carries_batch_state = False`, or fastai's `SentenceEncoder`, which resets its
     AWD_LSTM at every forward), and modules inside a splittable one (its own business)."""
     model = unwrap(model)
@@ -94,7 +111,7 @@ def stateful_modules(model:nn.Module)->tuple[list, list]:
         if _holds_no_state(m): skip.update(id(c) for c in m.modules()); continue
         if callable(getattr(m, 'get_batch_state', None)) and callable(getattr(m, 'set_batch_state', None)): a = _ProtocolState(m)
         elif type(m).__name__ in ('AWD_LSTM', 'AWD_QRNN') and hasattr(m, 'hidden') and hasattr(m, '_change_hidden'): a = _AWDState
-        elif callable(getattr(m, 'reset', None)) and not _known_stateless(m): bad.append(m); continue
+        elif _declares_state(m): bad.append(m); continue
         else: continue
         ok.append((m, a))
         skip.update(id(c) for c in m.modules())
@@ -103,11 +120,11 @@ def stateful_modules(model:nn.Module)->tuple[list, list]:
 def refuse_stateful(bad:list, model:nn.Module):
     names = ', '.join(sorted({type(m).__name__ for m in bad}))
     raise StatefulModelError(
-        f"MicroBatching(size): the model carries state from one batch to the next ({names} has `reset()`), "
-        "and each micro-batch would start from another micro-batch's rows. Give the module `get_batch_state(bs)` and "
-        "`set_batch_state(state)` (see docs/micro_batching.md: rows along `batch_state_dim`), set "
-        "`carries_batch_state = False` on it if it holds no state between batches, or feed the loader micro-batches "
-        "and accumulate with `n_step` instead of `micro_bs`")
+        f"MicroBatching(size): the model carries state from one batch to the next ({names} declares it: a `reset()` without "
+        "arguments, or `carries_batch_state = True`), and each micro-batch would start from another micro-batch's rows. "
+        "Give the module `get_batch_state(bs)` and `set_batch_state(state)` (see docs/micro_batching.md: rows along "
+        "`batch_state_dim`), set `carries_batch_state = False` on it if it holds no state between batches, or feed the "
+        "loader micro-batches and accumulate with `n_step` instead of `MicroBatching`")
 
 class RowStates:
     """The per-row state of a batch cut into pieces: each piece starts from its own rows of the state the whole batch

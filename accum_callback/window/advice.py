@@ -31,16 +31,29 @@ def _ported(ga, bs):
     if not sizes: return
     steps = lambda t, items: windows_started(sizes, t, items, 'step', False)
     sc = ga.plan.sched
-    if sc.constant is None or ga.mb is not None or len(sizes) < 8: return
+    if sc.constant is None or ga.mb is not None: return
     by_items = ga.plan.by_items
     units = sc.constant if not by_items else next((i+1 for i in range(len(sizes)) if sum(sizes[:i+1]) >= sc.constant), len(sizes)+1)
+    name = 'n_step' if not by_items else 'target_bs'
+    if units > len(sizes):   # an epoch shorter than the window: each window is the epoch, cut short at its end
+        if ga.plan.partial == 'carry': return   # (carried over the epoch's end: the windows are whole)
+        warnings.warn(f"GradientAccumulation: the epoch ({len(sizes)} loader batches of {bs}) is shorter than the window of "
+                      f"{name}={sc.constant}: every window is the whole epoch, cut short at its end ({partial_said(ga.plan.partial)}), "
+                      f"{steps(sc.constant, by_items)} optimizer step(s) an epoch. Give a smaller {name} (at most "
+                      f"{len(sizes) if not by_items else sum(sizes)}), or partial='carry' to carry each window over the "
+                      "epoch's end", stacklevel=3)
+        ga.said.add('window')
+        return
     if units*2 > len(sizes):
-        name = 'n_step' if not by_items else 'target_bs'
         warnings.warn(f"GradientAccumulation: {name}={sc.constant} makes a window of {min(units, len(sizes))} of the epoch's "
                       f"{len(sizes)} loader batches: {steps(sc.constant, by_items)} optimizer step(s) an epoch. If that is "
                       "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
                       stacklevel=3)
         ga.said.add('window')
+
+def partial_said(partial)->str:
+    "What happens to the window left open at an epoch's end, in words"
+    return {'drop': "dropped: partial='drop'", 'carry': "carried into the next epoch"}.get(partial, "stepped: partial='step'")
 
 def _not_large_batch(ga):
     "Layers that make a window other than the large batch whatever the rule, where cheap to see: said once"
