@@ -17,10 +17,10 @@ __all__ = list(_API)
 # `Learner` (`check_accumulation`, `to_fsdp`, FSDP2-aware `save`/`load`/`export`): the package loads them all together,
 # so that whichever name is used first, the Learner has them all.
 _TIERS = (('compat', ('torch', 'fastai')),
-          ('core', ('args', 'files', 'losses', 'distributed', 'loaders', 'protocols')),
+          ('core', ('args', 'files', 'losses', 'distributed', 'loaders', 'batches', 'protocols')),
           ('micro', ('pieces', 'state', 'retry', 'inference', 'loader', 'callback')),
-          ('window', ('schedule', 'global_window', 'state', 'log', 'plan', 'advice', 'accumulate')),
-          ('batchnorm', ('modes', 'norm_layers', 'precise', 'pool', 'callback')),
+          ('window', ('schedule', 'global_window', 'state', 'log', 'plan', 'advice', 'lr_find', 'accumulate')),
+          ('batchnorm', ('modes', 'norm_layers', 'precise', 'window_stats', 'pool', 'callback')),
           ('check', ('replay', 'batchnorm', 'accumulation')),
           ('noise', ('scale', 'measure')),
           ('resume', ('format', 'fit_state', 'fit_place', 'world_size', 'sharded', 'checkpoint')),

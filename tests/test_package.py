@@ -247,7 +247,8 @@ TESTED_IN = {'compat.torch': 'test_package.py', 'compat.fastai': 'test_package.p
              'resume.sharded': 'test_global_order.py', 'resume.checkpoint': 'test_resume.py', 'fsdp': 'test_distributed.py',
              'testing': 'test_distributed.py', 'micro.pieces': 'test_micro_bs.py', 'micro.state': 'test_micro_bs.py',
              'micro.retry': 'test_micro_bs.py', 'micro.inference': 'test_micro_bs.py', 'micro.loader': 'test_micro_bs.py',
-             'micro.callback': 'test_micro_bs.py'}
+             'micro.callback': 'test_micro_bs.py', 'core.batches': 'test_everyday.py',
+             'batchnorm.window_stats': 'test_bn_window.py'}
 
 def test_every_module_has_its_tests_where_this_map_says():
     "tests/test_<module's last name>.py, or the file `TESTED_IN` names, which names the module (a module without tests fails here)"

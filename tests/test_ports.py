@@ -7,7 +7,7 @@ import pytest
 import torch
 from fastai.callback.core import Callback
 
-from accum_callback import GradientAccumulation
+from accum_callback import GradientAccumulation, MicroBatching
 from helpers import make_learner, make_data
 
 def flat(model): return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
@@ -78,10 +78,10 @@ def test_fastai_18a_gradient_accumulation():
     """Ports fastai's own `GradientAccumulation` test (nbs/18a_callback.training.ipynb): a synthetic Learner fitted with
     `GradientAccumulation(n_acc=2*bs)` at bs ends with the weights of the fit at bs*2 (fastai's `test_close`, 1e-5),
     and with `n_acc` larger than the data the weights never change (no step). Here with our callback, fastai's
-    spelling (`n_acc`)"""
-    a,b = run(8, [GradientAccumulation(n_acc=16)], n=64, n_epoch=2),run(16, n=64, n_epoch=2)
+    spelling (`n_acc=k`, which `learn.accumulate(n_acc=k)` maps to `target_bs=k, partial='carry'`)"""
+    a,b = run(8, [GradientAccumulation(target_bs=16, partial='carry')], n=64, n_epoch=2),run(16, n=64, n_epoch=2)
     assert torch.allclose(a.weights[-1], b.weights[-1], atol=1e-5)
-    big = run(8, [GradientAccumulation(n_acc=1000)], n=64)
+    big = run(8, [GradientAccumulation(target_bs=1000, partial='carry')], n=64)
     assert len(big.weights) == 0   # (fastai's: a window of more samples than the fit holds never steps)
     oracle([GradientAccumulation(target_bs=16)], 8, 16, n=64, n_epoch=2)
 
@@ -90,6 +90,6 @@ def test_composer_microbatching_equivalence():
     tests/trainer/test_trainer.py): the same weights after training with the batch cut into micro-batches (float32
     there within its default `torch.testing.assert_close`). Here: micro-batches of 2 under loader batches of 8"""
     from fastai.optimizer import Adam
-    a,b = run(8, [GradientAccumulation(n_step=1, micro_bs=2)], opt_func=Adam, lr=1e-2),run(8, opt_func=Adam, lr=1e-2)
+    a,b = run(8, [GradientAccumulation(n_step=1), MicroBatching(2)], opt_func=Adam, lr=1e-2),run(8, opt_func=Adam, lr=1e-2)
     torch.testing.assert_close(a.weights[-1], b.weights[-1])
-    oracle([GradientAccumulation(n_step=1, micro_bs=2)], 8, 8, opt_func=Adam, lr=1e-2)
+    oracle([GradientAccumulation(n_step=1), MicroBatching(2)], 8, 8, opt_func=Adam, lr=1e-2)

@@ -311,6 +311,7 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     resume_keys = ('BatchNorm mode',)
     def resume_signature(self)->dict: "A resume must treat BatchNorm as this fit does"; return {'BatchNorm mode': self.mode}
     def keeps_running_stats(self)->bool: "'freeze' leaves the running statistics as they are"; return self.mode == 'freeze'
+    def window_normalises(self)->bool: "'window' modes: a micro-batch of one item is normalised by its window"; return self.mode in WINDOW_MODES
     def pools_over_ranks(self)->bool: "'pool' pools a `global_window` run's window over all ranks (`PooledStats.over_ranks`)"; return self.mode == 'pool'
 
     def state_dict(self)->dict:

@@ -42,6 +42,7 @@ class RunningStatsPolicy:
     updates without naming BatchNorm's callback (resuming on another number of processes)"""
     def keeps_running_stats(self)->bool: "Does training leave the running statistics as they are ('freeze')?"; return False
     def pools_over_ranks(self)->bool: "In a `global_window` run, are they pooled over every rank's part of each window ('pool')?"; return False
+    def window_normalises(self)->bool: "Is every micro-batch normalised with its whole window's statistics ('window')?"; return False
 
 def bn_layers_with_stats(model:nn.Module)->list:
     "The BatchNorm layers (Batch Renorm's included) that keep running statistics"

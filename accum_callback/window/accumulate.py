@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
 from ..core.protocols import (Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
                                refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard,
-                               trained_bn_layers)
+                               RunningStatsPolicy, trained_bn_layers)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
 from ..micro import MicroBatching, micro_batching
 from ..core.loaders import ReadAhead
@@ -54,7 +54,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         self.plan = WindowPlan(n_step, target_bs, partial, global_window=global_window)
         self.n_items,self.skip_nonfinite = check_n_items(n_items),flag(skip_nonfinite, 'skip_nonfinite')
         self.sync = SyncPolicy()
-        self.mb,self._joined,self._new_fit,self.window_listeners = None,[],False,Listeners()
+        self.mb,self._joined,self._bn_hooks,self._new_fit,self.window_listeners = None,[],[],False,Listeners()
         self.said = set()   # what `advice` has said at fit start (once each: 'window', 'layers', 'fsdp')
         self._ahead,self.window,self.padding = None,Window(),Padding()   # the loader read ahead; the open window; padding
         self.reset_logs()
@@ -63,17 +63,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         "The callback and its window: `GradientAccumulation(n_step=8): 4 x 8 = 32 per step` once on a Learner"
         return f"{type(self).__name__}({repr(self.plan.sched).partition('(')[2][:-1]}): {self.window_text()}"
 
-    def window_text(self)->str:
-        "The window in words: micro-batch size x micro-batches = items per optimizer step (at the training loader's `bs`)"
-        sc,dls = self.plan.sched,getattr(self.learn, 'dls', None) if self.learn is not None else None
-        bs = getattr(getattr(dls, 'train', None), 'bs', None)
-        if sc.constant is None: return 'a window that changes over the fit (a schedule)'
-        if not bs: return f"{sc.constant} {'items' if self.plan.by_items else 'micro-batches'} per optimizer step"
-        mb = micro_batching(self.learn)
-        k = self.plan.micro_batches(self.window, bs, None)
-        cut = mb.size if mb is not None and mb.size and not mb.auto and mb.size < bs else None
-        if cut: return f"{bs} x {k} = {bs*k} per step (each loader batch of {bs} in {mb.pieces(bs)} micro-batches of {cut})"
-        return f"{bs} x {k} = {bs*k} per step"
+    def window_text(self)->str: "The window in words: `4 x 8 = 32 per step`"; return describe_window(self)
 
     resume_keys = ('window',)
     def resume_signature(self)->dict: "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
@@ -129,9 +119,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         self._ahead = self.learn.dl = ReadAhead(self.plan.loader(self.learn.dl, self.learn.model))
 
     def after_pred(self): self._remove_bn_hooks()
-    def _remove_bn_hooks(self):
-        for h in getattr(self, '_bn_hooks', ()): h.remove()
-        self._bn_hooks = []
+    def _remove_bn_hooks(self): [h.remove() for h in self._bn_hooks]; self._bn_hooks = []
 
     def _unhook(self):
         "The fit is over (or left by an exception): the window discarded, the loader and the callback list as before the fit"
@@ -249,6 +237,18 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
 
     def _ranks_retry(self)->bool: "MicroBatching('auto') under DDP: the ranks agree on every retry"; return self.mb is not None and self.mb.manual_sync
 
+def describe_window(ga)->str:
+    "The window in words: micro-batch size x micro-batches = items per optimizer step (at the training loader's `bs`)"
+    sc,dls = ga.plan.sched,getattr(ga.learn, 'dls', None) if ga.learn is not None else None
+    bs = getattr(getattr(dls, 'train', None), 'bs', None)
+    if sc.constant is None: return 'a window that changes over the fit (a schedule)'
+    if not bs: return f"{sc.constant} {'items' if ga.plan.by_items else 'micro-batches'} per optimizer step"
+    mb = micro_batching(ga.learn)
+    k = ga.plan.micro_batches(ga.window, bs, None)
+    cut = mb.size if mb is not None and mb.size and not mb.auto and mb.size < bs else None
+    if cut: return f"{bs} x {k} = {bs*k} per step (each loader batch of {bs} in {mb.pieces(bs)} micro-batches of {cut})"
+    return f"{bs} x {k} = {bs*k} per step"
+
 def refuse_unreduced_loss(loss_func):
     "A loss with `reduction='none'` gives one loss per item: fastai's backward needs one number (the mean, or a sum)"
     f = getattr(loss_func, 'func', loss_func)   # (fastai's `CrossEntropyLossFlat` and other `BaseLoss` hold torch's loss there)
@@ -271,6 +271,7 @@ def one_value_hooks(learn)->list:
                                  f"normalised. Give cbs=BatchNormAccumulation({fix}), or micro-batches of 2 or more items "
                                  "(the loader's bs=, MicroBatching(2))")
         return hook
+    if any(isinstance(cb, RunningStatsPolicy) and cb.window_normalises() for cb in learn.cbs): return []
     layers = {id(m) for m in trained_bn_layers(learn.model)}
     return [m.register_forward_pre_hook(check(n)) for n,m in learn.model.named_modules() if id(m) in layers]
 
