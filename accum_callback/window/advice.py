@@ -44,7 +44,7 @@ def _ported(ga, bs):
                       "epoch's end", stacklevel=3)
         ga.said.add('window')
         return
-    if units*2 > len(sizes):
+    if units*2 > len(sizes) >= 8:   # a toy epoch of a few batches is a test or a demo, not a ported count
         warnings.warn(f"GradientAccumulation: {name}={sc.constant} makes a window of {min(units, len(sizes))} of the epoch's "
                       f"{len(sizes)} loader batches: {steps(sc.constant, by_items)} optimizer step(s) an epoch. If that is "
                       "not what you meant (fastai's count is samples, n_acc=; ours n_step= counts batches), give a smaller one",
