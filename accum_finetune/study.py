@@ -13,7 +13,8 @@ from .models import DEFAULT_ARCH
 __all__ = ['STUDY_MODES', 'run_study', 'summarize', 'plot_study']
 
 from accum_callback.batchnorm.modes import BN_MODES
-STUDY_MODES = ('none',) + BN_MODES   # plain BatchNorm at the micro-batch, then every mode
+# plain BatchNorm at the micro-batch, then every mode the job's windows of loader batches take ('window' cuts one batch)
+STUDY_MODES = ('none',) + tuple(m for m in BN_MODES if not m.startswith('window'))
 
 def run_study(
     seeds=(0,1,2), # one fine-tuning run per seed and configuration

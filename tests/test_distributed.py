@@ -318,7 +318,7 @@ def test_fsdp_batchnorm_modes(runs):
         a,b = get(runs, name); assert torch.equal(a['params'], b['params']) and a['steps'] == 4
 
 @needs_fsdp2
-@pytest.mark.parametrize('name,match', [('fsdp_groupnorm', 'Convert before sharding'), ('fsdp_auto', "micro_bs='auto'.*FSDP2"),
+@pytest.mark.parametrize('name,match', [('fsdp_groupnorm', 'Convert before sharding'), ('fsdp_auto', r"MicroBatching\('auto'\) under FSDP2"),
                                         ('fsdp_root_only_blocks', 'not its root')])
 def test_fsdp_refusals_say_what_to_do(runs, name, match):
     import re
