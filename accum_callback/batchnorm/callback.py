@@ -49,7 +49,7 @@ class Pool(_Mode):
         cap,staged = self.cb.ga.window_n_step,is_compiled(self.cb.learn.model)
         # a `global_window` run's window is the same samples on any number of processes: pooled over all ranks (not for
         # SyncBatchNorm, whose statistics cover all ranks already), so its running statistics are one process's
-        ranks = getattr(getattr(self.cb.ga, 'plan', None), 'global_window', False) and process_count() > 1
+        ranks = self.cb.ga is not None and self.cb.ga.window_over_ranks and process_count() > 1
         for g in groups.values():
             bank = PooledStats(g, [bn.momentum for bn in g], cap, staged, ranks and all(sync_batchnorm_world(bn) == 1 for bn in g))
             for l,bn in enumerate(g):

@@ -255,7 +255,7 @@ class WindowMode:
             raise ValueError(f"BatchNormAccumulation({mode!r}) measures the window's statistics at its start, so it "
                              f"needs its micro-batches then: {fix}{auto}")
         bs = getattr(learn.dls.train, 'bs', None)
-        if ga is not None and bs and ga.plan.units(0, bs) != 1:
+        if ga is not None and bs and ga.window_batches(bs) != 1:
             raise ValueError(f"BatchNormAccumulation({mode!r}): a window of several loader batches cannot be measured "
                              f"at its start: {fix}")
         if is_distributed(learn.model):

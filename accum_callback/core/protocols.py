@@ -33,6 +33,18 @@ class WindowOwner:
         "Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients zeroed"
         return self.window_listeners.add(fn)
     def remove_window_listener(self, fn): self.window_listeners.discard(fn)
+    # what the parts beside the window read of its size and rule (the owner's `plan` stays its own)
+    @property
+    def window_over_ranks(self)->bool:
+        "Is the window `target_bs` samples of all ranks together, the same samples on any number of them (`global_window`)?"
+        return self.plan.global_window
+    @property
+    def window_samples(self)->int|None: "The window's samples now (over all ranks where `window_over_ranks`), None where it counts micro-batches"; return self.plan.target_bs() if self.plan.by_items else None
+    def window_batches(self, bs:int)->int: "Loader batches of `bs` items a full window takes on this rank now"; return self.plan.units(0, bs)
+    @property
+    def window_partial(self)->str: "What is done with a window an epoch's end cuts short: 'step', 'drop' or 'carry'"; return self.plan.partial
+    @property
+    def one_micro_windows(self)->bool: "Is every window one micro-batch (`n_step=1`)?"; return not self.plan.by_items and self.plan.sched.constant == 1
 
 def window_owner(learn)->WindowOwner|None: "The window's owner among `learn`'s callbacks (by this declared interface), or None"; return next((cb for cb in learn.cbs if isinstance(cb, WindowOwner)), None)
 

@@ -126,7 +126,7 @@ class GradientNoiseScale(Callback):
                              "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
         mb = micro_batching(self.learn)
         bs = getattr(self.dls.train, 'bs', None)
-        if mb is None and not ga.plan.by_items and ga.plan.sched.constant == 1:
+        if mb is None and ga.one_micro_windows:
             raise ValueError("GradientNoiseScale compares a window's first micro-batch with the whole window, and "
                              "`GradientAccumulation(n_step=1)` makes windows of one micro-batch: nothing would be measured. "
                              "Give `n_step` >= 2 (or a `MicroBatching`, whose pieces make a window)")
@@ -177,7 +177,7 @@ class GradientNoiseScale(Callback):
         g_big2 = g_big2*(w.mean_factor(items)/w.step_scale(items, 1))**2
         if is_distributed(self.model):
             mine = torch.stack([g_small2, 1/b.to(dev)])
-            if self.ga.plan.global_window:   # rank 0's first micro-batch is one process's (each window's first samples):
+            if self.ga.window_over_ranks:   # rank 0's first micro-batch is one process's (each window's first samples):
                 g_small2,inv_b = self._sum_over_ranks(mine if dist.get_rank() == 0 else torch.zeros_like(mine)).unbind()   # the same estimates on any number (another rank's first may be padding: 1/b infinite)
             else:   # each rank's own micro-batch: average the ranks' squared norms and 1/b
                 g_small2,inv_b = (self._sum_over_ranks(mine)/dist.get_world_size()).unbind()

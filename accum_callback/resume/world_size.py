@@ -19,14 +19,14 @@ from ..core.protocols import RunningStatsPolicy, trained_bn_layers
 
 __all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world', 'say_what_differs', 'RankDraws']
 
-def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.plan.global_window
+def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.window_over_ranks
 
 def loader_signature(learn, ga)->dict:
     """What a checkpoint's signature says of the processes and the training loader: with `global_window` the whole
     data and the window over all ranks (the same on any number of processes), else this rank's batches and the world"""
     dl = learn.dls.train
     if not is_elastic(ga): return {'world size': process_count(), 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}"}
-    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.plan.target_bs()} samples over all ranks"}
+    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.window_samples} samples over all ranks"}
 
 def save_waits(ga, model, batches_due:bool)->bool:
     """Does a checkpoint due now wait for the window's end? Under FSDP2, which holds a window's gradients unsharded
@@ -69,8 +69,8 @@ def elastic_state(ckpt, serial:int, st:dict, ga, mine:dict|None=None)->tuple[dic
         raise CheckpointError(f"{where}, and it holds half a window ({st['callbacks'][ga_key]['window']['n_micro']} "
                               f"micro-batch(es) a rank), which cannot be cut again for {new}: launch {old} processes, or "
                               "resume from a checkpoint at a window's end (`every=`, epoch ends and signals save there)")
-    window,bs,n = ga.plan.target_bs(),learn.dls.train.bs,global_samples(learn.dls.train)
-    deal = dict(bs=bs, partial=ga.plan.partial != 'drop', drop_last=bool(getattr(learn.dls.train, 'drop_last', False)))
+    window,bs,n = ga.window_samples,learn.dls.train.bs,global_samples(learn.dls.train)
+    deal = dict(bs=bs, partial=ga.window_partial != 'drop', drop_last=bool(getattr(learn.dls.train, 'drop_last', False)))
     k = batches_in_world(st['k'], n, window, old, new, **deal)
     per_epoch = rank_batches(n, window, new, process_rank(), **deal)
     return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)
