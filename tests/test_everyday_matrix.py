@@ -2,8 +2,8 @@
 `MicroBatching`, `BatchNormAccumulation` where the model has BatchNorm). Every cell runs without a traceback; where the
 one-large-batch oracle applies (training, no BatchNorm, no dropout) the weights after the fit equal one plain fastai
 Learner's at the window's batch on the same samples, within float32's rounding measured on that big fit (float32
-against float64: `helpers.floor_tol`); a fit stopped and resumed by `Checkpoint` ends bitwise where the uninterrupted one
-ends, for every optimizer."""
+against float64: `helpers.floor_tol`); a fit stopped and resumed by `Checkpoint` ends bitwise where the uninterrupted
+one ends, for every optimizer."""
 import math, warnings
 from functools import partial
 
@@ -33,7 +33,8 @@ LOSSES = {'CrossEntropyLossFlat': CrossEntropyLossFlat(), 'nn.CrossEntropyLoss':
           'BCEWithLogitsLossFlat': BCEWithLogitsLossFlat()}   # (the last on a multi-label target)
 OPTS = {'Adam': Adam, 'SGD': SGD, 'torch-AdamW': partial(OptimWrapper, opt=torch.optim.AdamW),
         'torch-SGD': partial(OptimWrapper, opt=torch.optim.SGD)}
-TOOLS = ('fit_one_cycle', 'fine_tune', 'lr_find', 'check_accumulation', 'noise_scale', 'get_preds', 'show_results', 'export')
+TOOLS = ('fit_one_cycle', 'fine_tune', 'lr_find', 'check_accumulation', 'noise_scale', 'get_preds', 'show_results',
+         'export')
 DATA = ('from_folder', 'TfmdDL', 'from_dsets')
 TRAINS = ('fit_one_cycle', 'fine_tune')   # the tools the oracle compares
 
@@ -45,7 +46,8 @@ def folder(tmp_path_factory):
     for split,n in (('train', N_TRAIN//2), ('valid', N_VALID//2)):
         for c in ('a', 'b'):
             (root/split/c).mkdir(parents=True)
-            for i in range(n): Image.fromarray((rng.random((PX, PX, 3))*255).astype('uint8')).save(root/split/c/f'{i}.png')
+            for i in range(n):
+                Image.fromarray((rng.random((PX, PX, 3))*255).astype('uint8')).save(root/split/c/f'{i}.png')
     return root
 
 def _tensors(n, multi, seed):
@@ -66,7 +68,7 @@ def make_dls(data, folder, bs, multi):
     return DataLoaders(TfmdDL(list(zip(x, y)), bs=bs, shuffle=False, num_workers=0),
                        TfmdDL(list(zip(xv, yv)), bs=bs, num_workers=0), device='cpu')
 
-# -- models: a conv net on the images, an MLP on the features; BatchNorm where drawn ------------------------------------
+# -- models: a conv net on the images, an MLP on the features; BatchNorm where drawn ---------------------------------
 def make_model(data, bn, n_out, seed=0):
     torch.manual_seed(seed)
     if data == 'from_folder':
@@ -111,8 +113,8 @@ def weights(learn): return flat(learn.model.parameters()).detach()
 
 # -- a cell ----------------------------------------------------------------------------------------------------------
 def run_cell(folder, tmp, data, loss, opt, tool, bs, k, micro, bn):
-    """Our callbacks: windows of `k` loader batches of `bs`, or (`micro`) loader batches of `bs*k` cut in pieces of `bs`,
-    one step each; 'pool' for BatchNorm"""
+    """Our callbacks: windows of `k` loader batches of `bs`, or (`micro`) loader batches of `bs*k` cut in pieces of
+    `bs`, one step each; 'pool' for BatchNorm"""
     ours = ([GradientAccumulation(n_step=1), MicroBatching(bs)] if micro else [GradientAccumulation(n_step=k)]) + \
            ([BatchNormAccumulation()] if bn else [])
     big = bs*k
@@ -175,25 +177,30 @@ def inference(learn, folder, tmp, data, loss, opt, tool, ours):
         got,want = loaded.get_preds(dl=learn.dls.valid)[0],learn.get_preds()[0]
     assert torch.equal(got, want)
 
+def cell(data, loss, opt, tool, bs=4, k=2, micro=False, bn=False):
+    "An explicit cell of the matrix"
+    return example(data=data, loss=loss, opt=opt, tool=tool, bs=bs, k=k, micro=micro, bn=bn)
+
 CELL = dict(data=st.sampled_from(DATA), loss=st.sampled_from(list(LOSSES)), opt=st.sampled_from(list(OPTS)),
-            tool=st.sampled_from(TOOLS), bs=st.integers(3, 5), k=st.integers(2, 3), micro=st.booleans(), bn=st.booleans())
+            tool=st.sampled_from(TOOLS), bs=st.integers(3, 5), k=st.integers(2, 3), micro=st.booleans(),
+            bn=st.booleans())
 
 @pytest.mark.filterwarnings('ignore:GradientAccumulation. the epoch')   # a short toy epoch: said, and drawn here
 @settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(**CELL)
 # every value of every axis at least once
-@example(data='from_folder', loss='CrossEntropyLossFlat', opt='Adam', tool='fit_one_cycle', bs=4, k=2, micro=False, bn=False)
-@example(data='TfmdDL', loss='nn.CrossEntropyLoss', opt='SGD', tool='fine_tune', bs=3, k=3, micro=True, bn=False)
-@example(data='from_dsets', loss='F.cross_entropy', opt='torch-AdamW', tool='fit_one_cycle', bs=5, k=2, micro=False, bn=False)
-@example(data='from_folder', loss='LabelSmoothingCrossEntropyFlat', opt='torch-SGD', tool='fine_tune', bs=4, k=2, micro=True, bn=False)
-@example(data='from_dsets', loss='BCEWithLogitsLossFlat', opt='Adam', tool='fit_one_cycle', bs=4, k=3, micro=False, bn=False)
-@example(data='from_dsets', loss='BCEWithLogitsLossFlat', opt='torch-AdamW', tool='lr_find', bs=4, k=2, micro=True, bn=True)
-@example(data='TfmdDL', loss='CrossEntropyLossFlat', opt='torch-SGD', tool='check_accumulation', bs=4, k=2, micro=False, bn=False)
-@example(data='from_folder', loss='nn.CrossEntropyLoss', opt='SGD', tool='noise_scale', bs=4, k=2, micro=False, bn=True)
-@example(data='from_dsets', loss='LabelSmoothingCrossEntropyFlat', opt='Adam', tool='get_preds', bs=4, k=2, micro=True, bn=True)
-@example(data='from_folder', loss='F.cross_entropy', opt='torch-AdamW', tool='show_results', bs=4, k=2, micro=False, bn=False)
-@example(data='TfmdDL', loss='BCEWithLogitsLossFlat', opt='torch-SGD', tool='export', bs=4, k=2, micro=True, bn=True)
-@example(data='from_folder', loss='CrossEntropyLossFlat', opt='SGD', tool='fit_one_cycle', bs=4, k=2, micro=False, bn=True)
+@cell('from_folder', 'CrossEntropyLossFlat', 'Adam', 'fit_one_cycle')
+@cell('TfmdDL', 'nn.CrossEntropyLoss', 'SGD', 'fine_tune', bs=3, k=3, micro=True)
+@cell('from_dsets', 'F.cross_entropy', 'torch-AdamW', 'fit_one_cycle', bs=5)
+@cell('from_folder', 'LabelSmoothingCrossEntropyFlat', 'torch-SGD', 'fine_tune', micro=True)
+@cell('from_dsets', 'BCEWithLogitsLossFlat', 'Adam', 'fit_one_cycle', k=3)
+@cell('from_dsets', 'BCEWithLogitsLossFlat', 'torch-AdamW', 'lr_find', micro=True, bn=True)
+@cell('TfmdDL', 'CrossEntropyLossFlat', 'torch-SGD', 'check_accumulation')
+@cell('from_folder', 'nn.CrossEntropyLoss', 'SGD', 'noise_scale', bn=True)
+@cell('from_dsets', 'LabelSmoothingCrossEntropyFlat', 'Adam', 'get_preds', micro=True, bn=True)
+@cell('from_folder', 'F.cross_entropy', 'torch-AdamW', 'show_results')
+@cell('TfmdDL', 'BCEWithLogitsLossFlat', 'torch-SGD', 'export', micro=True, bn=True)
+@cell('from_folder', 'CrossEntropyLossFlat', 'SGD', 'fit_one_cycle', bn=True)
 def test_the_everyday_matrix(folder, tmp_path_factory, one_thread, data, loss, opt, tool, bs, k, micro, bn):
     assume(not (data == 'from_folder' and loss == 'BCEWithLogitsLossFlat'))   # (`from_folder`: one class an image)
     run_cell(folder, tmp_path_factory.mktemp('cell'), data, loss, opt, tool, bs, k, micro, bn)
@@ -210,7 +217,8 @@ def _fit(learn):
 def test_a_fit_stopped_and_resumed_is_the_uninterrupted_one(folder, tmp_path, opt, one_thread):
     """The image folder, windows of two loader batches, `fit_one_cycle(2)` cut at training batch 7 (in the second epoch,
     mid-window) with checkpoints every 3, and run again: bitwise the uninterrupted fit's weights and optimizer state"""
-    mk = lambda cbs: learner('from_folder', folder, 'CrossEntropyLossFlat', opt, 4, [GradientAccumulation(n_step=2)] + cbs)
+    def mk(cbs): return learner('from_folder', folder, 'CrossEntropyLossFlat', opt, 4, [GradientAccumulation(n_step=2),
+                                                                                          *cbs])
     ref = _fit(mk([]))
     _fit(mk([Checkpoint(tmp_path/'ck', batches=3), RaiseAt(7)]))
     again = _fit(mk([cb := Checkpoint(tmp_path/'ck', batches=3)]))
