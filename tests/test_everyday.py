@@ -1,7 +1,7 @@
 """The path every fastai user walks first, on a tiny image folder (`ImageDataLoaders.from_folder`): the check, the noise
 scale and the other tools that run batches outside the training loop see each batch as the training step does
 (`core.batches.prepare_batch`: fastai's casting, the device, the callbacks' `before_batch`), so a plain torch loss works
-with them; and a generative test of the everyday matrix (loss x optimizer x tool x data) with our callbacks."""
+with them (the everyday matrix drawn, loss x optimizer x tool x data: tests/test_everyday_matrix.py)."""
 from functools import partial
 import warnings
 

@@ -267,3 +267,49 @@ def test_a_models_own_loss_is_joined_by_its_counts_when_inference_is_cut(kind):
         b = next(iter(cut.dls.valid))
         halves = [ref.model({k: v[s:s+2] for k,v in b[0].items()}).loss.item() for s in (0, 2)]
         assert abs(sum(halves)/2 - want) > 1e-6*abs(want)   # (the unweighted join would be wrong: the test can fail)
+
+class LogitsForPreds(Callback):
+    "After the model's own loss: the prediction fastai gathers is the logits (fastai cannot concatenate a 0-d loss)"
+    def after_loss(self): self.learn.pred = self.pred['logits']
+
+class Losses(Callback):
+    "The loss of every inference batch"
+    def before_validate(self): self.values = []
+    def after_loss(self):
+        if not self.training: self.values.append(self.learn.loss.detach().clone())
+
+def _tfmd_learner(kind, cbs):
+    "`learner`, its validation loader a TfmdDL (what `predict` decodes with), float32 as users predict"
+    from fastai.data.core import TfmdDL
+    learn = learner(kind, 'dict_own', cbs=[GradientAccumulation(n_step=1), LogitsForPreds(), *cbs], dtype=torch.float32)
+    learn.dls.loaders[1] = TfmdDL(texts(kind)[:4], bs=4, create_batch=collate(kind, True, False), num_workers=0)
+    return learn
+
+@pytest.mark.parametrize('kind', ['bert', 'gpt2'])
+def test_get_preds_and_predict_are_the_uncut_batchs_when_inference_is_cut(kind):
+    """`get_preds` of a batch of 4 texts cut into pieces of 2 after an out-of-memory error: the logits and the model's
+    own loss (the pieces' weighted by their counts) are the uncut batch's, within float32's rounding of that batch
+    (against float64: `helpers.floor_tol`); a one-text batch after it (what `predict` runs) too"""
+    from helpers import f32_floor, floor_tol
+    ref,cut = _tfmd_learner(kind, [lr := Losses()]),_tfmd_learner(kind, [MicroBatching('auto'), lc := Losses()])
+    cut.model = OOMOverInference(cut.model, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with ref.no_bar(), cut.no_bar():
+            (p,t),(pr,tr) = cut.get_preds(),ref.get_preds()
+            assert cut.micro_batching.inference_bs == 2 and len(lc.values) == len(lr.values) == 1
+            xb = next(iter(ref.dls.valid))[0]
+            tol_p = floor_tol([f32_floor(lambda m, x: m(x)['logits'], ref.model, xb)])
+            tol_l = floor_tol([f32_floor(lambda m, x: m(x)['loss'], ref.model, xb)])
+            assert p.shape == pr.shape and torch.equal(t, tr)
+            assert (p-pr).abs().max() <= tol_p*pr.abs().max(), ((p-pr).abs().max(), tol_p)
+            assert abs(lc.values[0]-lr.values[0]) <= tol_l*abs(lr.values[0]), (lc.values, lr.values, tol_l)
+            # `predict` of one text: fastai's own `predict` cannot reorder dict inputs (with or without our callbacks);
+            # what it runs, `get_preds` on its one-item loader with the decoded predictions, is the uncut Learner's
+            item = texts(kind)[5]
+            with pytest.raises(TypeError) as e_cut: cut.predict(item)
+            with pytest.raises(TypeError) as e_ref: ref.predict(item)
+            assert str(e_cut.value) == str(e_ref.value)
+            got,want = (l.get_preds(dl=l.dls.test_dl([item]), with_decoded=True) for l in (cut, ref))
+    assert cut.micro_batching.inference_bs == 2
+    for a,b in zip(got, want): assert a.shape == b.shape and (a-b).abs().max() <= tol_p*b.abs().max()
