@@ -80,9 +80,11 @@ def f32_floor(fn, *args)->float:
     return rel_err(got.double(), want)
 
 class Float64Batches(Callback):
-    "Every batch cast to float64 before any other callback sees it (the Learner's data stays float32)"
+    """Every batch cast to float64 before any other callback sees it (the Learner's data stays float32), and the recorded
+    loss (fastai's flattened losses compute in float32 whatever the input) float64 for the smoothing"""
     order = -100
     def before_batch(self): self.learn.xb,self.learn.yb = as64(self.xb),as64(self.yb)
+    def after_loss(self): self.learn.loss = self.loss.double()
 
 def as_float64(learn):
     "`learn` made a float64 run in place: its model cast, its batches cast (`Float64Batches`), float64 loss smoothing"
