@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT/'README.md'] + sorted((ROOT/'docs').glob('*.md'))
 MARK = re.compile(r'<!-- output: (\w+) -->\n(?:```[^\n]*\n(.*?)```|((?:\|[^\n]*\n)+))', re.S)   # a fenced block or a table
 NUMBER = re.compile(r'(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])')   # not the digits of a name (layers.1, bn2)
+ITEM = re.compile(r'(?<![\w.])([A-Za-z_][\w.]*) ([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?=, |$)', re.M)   # `name value` in a list
 
 # -- producers ------------------------------------------------------------------------------------------------------------
 def quickstart_code()->str:
@@ -87,9 +88,34 @@ def blocks()->list:
 
 def _body(m)->str: return m.group(2) if m.group(2) is not None else m.group(3)
 
+def _unit(s:str)->float:
+    "One unit of the last digit `s` shows"
+    mant,_,exp = s.lower().partition('e')
+    return 10.**(-len(mant.split('.')[1]) if '.' in mant else 0) * 10.**int(exp or 0)
+
+def _ties_in_shown_order(shown:str, made:str)->str:
+    """`made` with each line's list of `name value` items in `shown`'s order where the two list the same names and only
+    ties trade places (values one unit of the digits shown apart at most): another CPU's last bits may order ties either
+    way; any other change of order stays, and fails"""
+    s_lines,m_lines = shown.split('\n'),made.split('\n')
+    if len(s_lines) != len(m_lines): return made
+    out = []
+    for sl,ml in zip(s_lines, m_lines):
+        s_items,m_items = ITEM.findall(sl),ITEM.findall(ml)
+        value = dict(m_items)
+        if len(s_items) < 2 or sorted(n for n,_ in s_items) != sorted(value) or len(value) != len(m_items): out.append(ml); continue
+        ordered = [(n, value[n]) for n,_ in s_items]
+        ties = all(a == b or abs(float(va) - float(vb)) <= _unit(vs)*(1 + 1e-9)
+                   for (a,va),(b,vb),(_,vs) in zip(m_items, ordered, s_items))
+        it = iter(ordered)
+        out.append(ITEM.sub(lambda m: ' '.join(next(it)), ml) if ties else ml)
+    return '\n'.join(out)
+
 def differences(shown:str, made:str)->list:
     """Where `made` differs from `shown`: other text, another count of numbers, a whole number not the same, or a number
-    with decimals off by more than one unit of the last digit shown"""
+    with decimals off by more than one unit of the last digit shown (ties in a list of `name value` items may come in
+    either order: `_ties_in_shown_order`)"""
+    made = _ties_in_shown_order(shown, made)
     a,b = NUMBER.split(shown),NUMBER.split(made)
     if a != b: return [f'text differs:\n--- shown\n{shown}--- printed now\n{made}']
     out = []
@@ -97,9 +123,7 @@ def differences(shown:str, made:str)->list:
         if not re.search(r'[.e]', s.lower()):
             if s.lstrip('+') != m.lstrip('+'): out.append(f'{s} shown, {m} printed now')
             continue
-        mant,_,exp = s.lower().partition('e')
-        unit = 10.**(-len(mant.split('.')[1]) if '.' in mant else 0) * 10.**int(exp or 0)
-        if abs(float(s) - float(m)) > unit*(1 + 1e-9): out.append(f'{s} shown, {m} printed now')
+        if abs(float(s) - float(m)) > _unit(s)*(1 + 1e-9): out.append(f'{s} shown, {m} printed now')
     return out
 
 def write(names=None):

@@ -79,6 +79,30 @@ def f32_floor(fn, *args)->float:
     got,want = (flat(o) if isinstance(o, (tuple, list)) else o.reshape(-1) for o in (got, want))
     return rel_err(got.double(), want)
 
+class Float64Batches(Callback):
+    """Every batch cast to float64 before any other callback sees it (the Learner's data stays float32), and the recorded
+    loss (fastai's flattened losses compute in float32 whatever the input) float64 for the smoothing"""
+    order = -100
+    def before_batch(self): self.learn.xb,self.learn.yb = as64(self.xb),as64(self.yb)
+    def after_loss(self): self.learn.loss = self.loss.double()
+
+def as_float64(learn):
+    "`learn` made a float64 run in place: its model cast, its batches cast (`Float64Batches`), float64 loss smoothing"
+    learn.model.double(); learn.add_cbs([Float64Batches(), Float64Smoothing()])
+    return learn
+
+def weights_of(learn): return flat([p.detach() for p in learn.model.parameters()])
+
+def fit_floor(make, fit, of=weights_of)->tuple:
+    """(the float32 Learner `make(None)` fitted by `fit`, float32's rounding on that whole fit): the relative error of
+    `of(learner)` (its weights; or a dict of tensors: the largest) against `make(torch.float64)`'s, the same fit in
+    float64; `floor_tol` of it is the tolerance for another float32 computation of that fit (e.g. accumulated)"""
+    low,high = make(None),make(torch.float64)
+    fit(low); fit(high)
+    a,b = of(low),of(high)
+    if not isinstance(a, dict): a,b = {0: a},{0: b}
+    return low,max(rel_err(a[k].double(), b[k].double()) for k in a)
+
 class WindowSpy(Callback):
     """Placed right after `GradientAccumulation`: at every optimizer step, recompute the gradient of the mean loss over
     all the window's samples in one batch (with the weights the step starts from) and record the relative error. A

@@ -30,6 +30,15 @@ def test_the_comparison_reads_the_digits_shown():
     assert D.differences('layers.1.bn2.bias 5.1e-01\n', 'layers.0.bn2.bias 5.1e-01\n')   # the digits of a name are text
     assert D.differences('NOT exact\n', 'exact\n')
 
+def test_ties_may_come_in_either_order():
+    "Two tensors tied to the digits shown may print in the other order on another CPU; a change of order that is no tie fails"
+    shown = 'worst tensors     a.bias 5.1e-01, b.bias 5.1e-01, c.weight 4.5e-01\n'
+    assert not D.differences(shown, 'worst tensors     b.bias 5.1e-01, a.bias 5.1e-01, c.weight 4.5e-01\n')
+    assert not D.differences(shown, 'worst tensors     b.bias 5.2e-01, a.bias 5.1e-01, c.weight 4.5e-01\n')   # one unit
+    assert D.differences(shown, 'worst tensors     c.weight 4.5e-01, a.bias 5.1e-01, b.bias 5.1e-01\n')   # not a tie
+    assert D.differences(shown, 'worst tensors     b.bias 5.4e-01, a.bias 5.1e-01, c.weight 4.5e-01\n')
+    assert D.differences(shown, 'worst tensors     a.bias 5.1e-01, d.bias 5.1e-01, c.weight 4.5e-01\n')   # another name
+
 # -- one source for the measured figures --------------------------------------------------------------------------------
 def _numbers(text:str)->set: return set(re.findall(r'(?<![\w.])\d+\.\d+(?![\w])', text))
 
