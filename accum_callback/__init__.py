@@ -11,7 +11,7 @@ _API = dict(
     GradientNoiseScale='noise.scale', check_accumulation='check.accumulation', AccumulationReport='check.accumulation',
     WindowSchedule='window.schedule', batch_growth_from_lr='window.schedule', bn_to_groupnorm='batchnorm.norm_layers',
     bn_to_batchrenorm='batchnorm.norm_layers', update_bn_stats='batchnorm.precise', Checkpoint='resume.checkpoint',
-    Freeze='batchnorm.modes', Groups='batchnorm.modes', Renorm='batchnorm.modes')   # (the last three: `BatchNormAccumulation`'s modes with options)
+    Freeze='batchnorm.modes', Groups='batchnorm.modes', Renorm='batchnorm.modes')   # (`BatchNormAccumulation`'s modes' options)
 __all__ = list(_API)
 # The package in tiers, bottom up: each subpackage (or module) imports only its own tier and those below it, and
 # within a tier each module only those before it (tests/test_package.py). `check` and `fsdp` add methods to fastai's

@@ -72,7 +72,8 @@ class Stateful(nn.Module):
         self.h = out.detach(); return out
 
 def learner(model=None, loss=None, ga=None, bn=None, n=64, bs=4, dtype=None, ds=None, loss_func=None):
-    cbs = accumulation(**(ga or dict(n_step=4))) + ([BatchNormAccumulation(Groups(4) if bn == 'groupnorm' else bn)] if bn else [])
+    bna = [BatchNormAccumulation(Groups(4) if bn == 'groupnorm' else bn)] if bn else []
+    cbs = accumulation(**(ga or dict(n_step=4))) + bna
     ds = ds if ds is not None else cls_data(n, ignore=-100 if loss == 'ignore' else None)
     return make_learner(ds, bs, cbs=cbs, model=model or MLP(n_out=3), loss_func=loss_func or LOSS_FUNCS[loss or 'mean'], dtype=dtype)
 

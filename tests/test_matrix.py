@@ -79,7 +79,8 @@ def build(row:Row, col:str, cbs=(), bs=BS, **kw):
     bn = {'bn_freeze': 'freeze', 'bn_groupnorm': 'groupnorm', 'bn_pool': 'pool', 'bn_momentum': 'momentum',
           'bn_renorm': 'renorm', 'bn_precise': 'pool', 'check_batchnorm': None}.get(col, 'freeze')
     kw_bn = dict(precise=12) if col == 'bn_precise' else {}
-    extra = [BatchNormAccumulation(Groups(4) if bn == 'groupnorm' else bn, **kw_bn)] if row.bn and bn else []   # (tiny layers: 2 channels a group)
+    mode = Groups(4) if bn == 'groupnorm' else bn   # (tiny layers: 2 channels a group)
+    extra = [BatchNormAccumulation(mode, **kw_bn)] if row.bn and bn else []
     return row.make(list(cbs) + extra, dropout=col == 'check_dropout', bs=bs, **(row.spans_kw if col in SPANS else {}), **kw)
 
 # -- the cells -----------------------------------------------------------------------------------------------------

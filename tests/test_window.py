@@ -114,7 +114,7 @@ def test_fsdp_checkpoints_are_set_on_one_learner_only():
     f.unlink()
 
 def test_the_top_level_holds_what_users_call_only():
-    "At most 12 names users call, and the options objects of `BatchNormAccumulation`'s modes (what users give as `mode`)"
+    "At most 12 names users call, and the options objects of `BatchNormAccumulation`'s modes (given as its `mode`)"
     options = {'Freeze', 'Groups', 'Renorm'}
     assert options <= set(accum_callback.__all__) and len(set(accum_callback.__all__) - options) <= 12
     assert 'GradientAccumulation' in accum_callback.__all__

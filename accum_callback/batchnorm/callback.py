@@ -169,7 +169,8 @@ def _refuse_moved(kw:dict):
         raise TypeError(f"BatchNormAccumulation.__init__() got an unexpected keyword argument {bad!r}")
     by = {}
     for k,v in kw.items(): by.setdefault(_MOVED[k].__name__, []).append(f'{k}={v!r}')
-    old,new = ', '.join(f'{k}={v!r}' for k,v in kw.items()),' or '.join(f"mode={c}({', '.join(a)})" for c,a in by.items())
+    old = ', '.join(f'{k}={v!r}' for k,v in kw.items())
+    new = ' or '.join(f"mode={c}({', '.join(a)})" for c,a in by.items())
     raise TypeError(f"`{old}` is `{new}` since 0.3 (`from accum_callback import {', '.join(by)}`)")
 
 def _mode_and_options(mode)->tuple:
@@ -178,7 +179,8 @@ def _mode_and_options(mode)->tuple:
         raise ValueError(f"`mode`: give the options object, `{mode.__name__}()`, not its class")
     if isinstance(mode, tuple(BN_OPTIONS.values())): return mode.name,mode
     if not isinstance(mode, str) or mode not in BN_MODES:
-        raise ValueError(f"`mode` must be one of {BN_MODES} or a mode's options (Freeze(...), Groups(...), Renorm(...)), got {mode!r}")
+        raise ValueError(f"`mode` must be one of {BN_MODES} or a mode's options (Freeze(...), Groups(...), "
+                         f"Renorm(...)), got {mode!r}")
     return mode,(BN_OPTIONS[mode]() if mode in BN_OPTIONS else None)
 
 # -- the callback -----------------------------------------------------------------------------------------------------
@@ -209,18 +211,18 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
 
     def __init__(self,
-        mode:str|Freeze|Groups|Renorm='pool', # one of `BN_MODES`, or a mode's options: `Freeze(...)`, `Groups(...)`, `Renorm(...)`
+        mode:str|Freeze|Groups|Renorm='pool', # one of `BN_MODES`, or a mode's options: `Freeze`, `Groups`, `Renorm`
         *,
         precise:int|None=None, # at the end of each training epoch, recompute the running statistics from this many training items with the current weights (`update_bn_stats`)
         precise_at:str='epoch', # when: 'epoch' (every epoch's end, before its validation) or 'end' (the last epoch's only: earlier validations read the running statistics)
-        **moved, # (0.2's `train_affine`, `num_groups`, `r_max`, `d_max`, `warmup`, `ramp`: refused with their 0.3 spelling)
+        **moved, # 0.2's `train_affine`, `num_groups`, `r_max`, `d_max`, `warmup`, `ramp`: refused, saying 0.3's
     ):
         if moved: _refuse_moved(moved)
         self.mode,self.options = _mode_and_options(mode)
         if precise is not None:
             whole_number(precise, 'precise')
-            if self.mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and precise "
-                                                       "statistics would replace them: give one or the other")
+            if self.mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and "
+                                                       "precise statistics would replace them: give one or the other")
         if precise_at not in PRECISE_AT: raise ValueError(f"`precise_at` must be one of {PRECISE_AT}, got {precise_at!r}")
         self.precise,self.precise_at = precise,precise_at
         self.ga,self.active,self._warned = None,None,False

@@ -15,7 +15,8 @@ def _refuse(ok:bool, owner:str, field:str, v, want:str, fix:str):
     if not ok: raise ValueError(f"`{owner}.{field}` must be {want}, got {v!r}: {fix}")
 
 def _count(owner:str, field:str, v, lo:int, fix:str):
-    _refuse(isinstance(v, Integral) and not isinstance(v, bool) and v >= lo, owner, field, v, f'a whole number >= {lo}', fix)
+    ok = isinstance(v, Integral) and not isinstance(v, bool) and v >= lo
+    _refuse(ok, owner, field, v, f'a whole number >= {lo}', fix)
 
 def _number(owner:str, field:str, v, lo:float, fix:str):
     _refuse(isinstance(v, Real) and not isinstance(v, bool) and v >= lo, owner, field, v, f'a number >= {lo:g}', fix)
@@ -38,9 +39,10 @@ class Freeze:
 
 @dataclass(frozen=True)
 class Groups:
-    """The 'groupnorm' mode's options: BatchNorm layers become `torch.nn.GroupNorm` at the start of fit (`bn_to_groupnorm`).
-    `BatchNormAccumulation(Groups())` is `BatchNormAccumulation('groupnorm')`. (Named `Groups`, not `GroupNorm`: this
-    is a mode's options, not a layer, and a `GroupNorm` here would shadow torch's layer in code importing both.)
+    """The 'groupnorm' mode's options: BatchNorm layers become `torch.nn.GroupNorm` at the start of fit
+    (`bn_to_groupnorm`). `BatchNormAccumulation(Groups())` is `BatchNormAccumulation('groupnorm')`. (Named `Groups`, not
+    `GroupNorm`: this is a mode's options, not a layer, and a `GroupNorm` here would shadow torch's layer in code
+    importing both.)
 
     >>> Groups(num_groups=16)
     Groups(num_groups=16)
