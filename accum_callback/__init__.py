@@ -10,7 +10,8 @@ _API = dict(
     GradientAccumulation='window.accumulate', MicroBatching='micro', BatchNormAccumulation='batchnorm.callback',
     GradientNoiseScale='noise.scale', check_accumulation='check.accumulation', AccumulationReport='check.accumulation',
     WindowSchedule='window.schedule', batch_growth_from_lr='window.schedule', bn_to_groupnorm='batchnorm.norm_layers',
-    bn_to_batchrenorm='batchnorm.norm_layers', update_bn_stats='batchnorm.precise', Checkpoint='resume.checkpoint')
+    bn_to_batchrenorm='batchnorm.norm_layers', update_bn_stats='batchnorm.precise', Checkpoint='resume.checkpoint',
+    Freeze='batchnorm.modes', Groups='batchnorm.modes', Renorm='batchnorm.modes')   # (`BatchNormAccumulation`'s modes' options)
 __all__ = list(_API)
 # The package in tiers, bottom up: each subpackage (or module) imports only its own tier and those below it, and
 # within a tier each module only those before it (tests/test_package.py). `check` and `fsdp` add methods to fastai's

@@ -13,7 +13,8 @@ from fastai.vision.learner import vision_learner
 from torchvision.models import resnet18
 
 from accum_callback import BatchNormAccumulation, GradientAccumulation, bn_to_batchrenorm, bn_to_groupnorm
-from accum_callback.batchnorm.modes import BN_MODES
+from accum_callback import Freeze, Groups, Renorm
+from accum_callback.batchnorm.modes import BN_MODES, BN_OPTIONS
 from accum_callback.batchnorm.norm_layers import BatchRenorm
 from accum_callback.batchnorm.callback import accumulated_momentum
 from helpers import accumulation, as_float64, fit_quiet, make_data, make_dls, make_learner, rel_err
@@ -168,11 +169,83 @@ def test_modes_without_gradient_accumulation(mode):
 def test_bad_arguments():
     with pytest.raises(ValueError, match=re.escape(f"`mode` must be one of {BN_MODES}")):
         BatchNormAccumulation('ghost')
-    with pytest.raises(ValueError, match='num_groups'): BatchNormAccumulation('groupnorm', num_groups=0)
-    with pytest.raises(ValueError, match='r_max'): BatchNormAccumulation('renorm', r_max=0.5)
+    with pytest.raises(ValueError, match='num_groups'): BatchNormAccumulation(Groups(num_groups=0))
+    with pytest.raises(ValueError, match='r_max'): BatchNormAccumulation(Renorm(r_max=0.5))
     with pytest.raises(ValueError, match='d_max'): bn_to_batchrenorm(nn.BatchNorm2d(3), d_max=-1)
-    with pytest.raises(TypeError, match='train_affine'): BatchNormAccumulation('freeze', train_affine=1)
+    with pytest.raises(ValueError, match='train_affine'): BatchNormAccumulation(Freeze(train_affine=1))
     with pytest.raises(ValueError, match='`k`'): accumulated_momentum(0.1, 0)
+
+# -- the modes' options objects ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize('make,said', [
+    (lambda: Freeze(train_affine=1), "`Freeze.train_affine` must be True or False, got 1: True trains"),
+    (lambda: Groups(num_groups=0), "`Groups.num_groups` must be a whole number >= 1, got 0: the most groups"),
+    (lambda: Groups(num_groups=4.), "`Groups.num_groups` must be a whole number >= 1, got 4.0: "),
+    (lambda: Groups(num_groups=True), "`Groups.num_groups` must be a whole number >= 1, got True: "),
+    (lambda: Renorm(r_max=0.5), "`Renorm.r_max` must be a number >= 1, got 0.5: the largest std correction; 1 turns"),
+    (lambda: Renorm(r_max=float('nan')), "`Renorm.r_max` must be a number >= 1, got nan: "),
+    (lambda: Renorm(d_max=-1), "`Renorm.d_max` must be a number >= 0, got -1: the largest mean correction"),
+    (lambda: Renorm(d_max='5'), "`Renorm.d_max` must be a number >= 0, got '5': "),
+    (lambda: Renorm(warmup=-1), "`Renorm.warmup` must be a whole number >= 0, got -1: training forwards as plain"),
+    (lambda: Renorm(ramp=2.5), "`Renorm.ramp` must be a whole number >= 0, got 2.5: training forwards over which"),
+], ids=['train_affine', 'num_groups', 'num_groups-float', 'num_groups-bool', 'r_max', 'r_max-nan', 'd_max', 'd_max-str',
+        'warmup', 'ramp'])
+def test_mode_options_refuse_a_bad_field_in_one_line(make, said):
+    with pytest.raises(ValueError) as e: make()
+    assert str(e.value).startswith(said) and '\n' not in str(e.value)
+
+def test_mode_options_are_frozen_values_named_as_their_mode():
+    assert {c.name: c for c in (Freeze, Groups, Renorm)} == BN_OPTIONS and all(c in BN_MODES for c in BN_OPTIONS)
+    assert Renorm() == Renorm(r_max=3., d_max=5., warmup=0, ramp=5000) != Renorm(ramp=10)
+    assert hash(Groups(4)) == hash(Groups(4))
+    assert (Freeze().train_affine, Groups().num_groups, Renorm().ramp) == (True, 32, 5000)   # 0.2's keyword defaults
+    with pytest.raises(AttributeError): Renorm().r_max = 2.   # frozen: a callback's options cannot change under it
+    assert repr(Freeze(train_affine=False)) == 'Freeze(train_affine=False)' and 'name' not in repr(Renorm())
+
+GIVEN = {'freeze': dict(train_affine=False), 'groupnorm': dict(num_groups=4), 'renorm': dict(ramp=9)}
+
+@pytest.mark.parametrize('mode', BN_MODES)
+def test_a_mode_by_name_is_its_default_options(mode):
+    "`BatchNormAccumulation('renorm')` is `BatchNormAccumulation(Renorm())`: the same name and equal options"
+    by_name = BatchNormAccumulation(mode)
+    assert by_name.mode == mode
+    if mode not in BN_OPTIONS: assert by_name.options is None; return
+    by_object = BatchNormAccumulation(BN_OPTIONS[mode]())
+    assert (by_object.mode, by_object.options) == (by_name.mode, by_name.options) == (mode, BN_OPTIONS[mode]())
+    given = BN_OPTIONS[mode](**GIVEN[mode])
+    assert BatchNormAccumulation(given).options is given and BatchNormAccumulation(given).mode == mode
+
+def test_a_conversion_takes_its_options_object():
+    "`convert` (what fit, `check_accumulation` and `to_fsdp` use) builds the layers from the options given with the mode"
+    gn = BatchNormAccumulation(Groups(num_groups=4)).convert(nn.Sequential(nn.BatchNorm1d(8)))[0]
+    assert isinstance(gn, nn.GroupNorm) and gn.num_groups == 4
+    bna = BatchNormAccumulation(Renorm(r_max=2., d_max=1., warmup=3, ramp=7))
+    br = bna.convert(nn.Sequential(nn.BatchNorm1d(8)))[0]
+    assert (type(br).__name__, br.r_max, br.d_max, br.warmup, br.ramp) == ('BatchRenorm1d', 2., 1., 3, 7)
+    assert BatchNormAccumulation(Freeze(train_affine=False)).convert(m := nn.BatchNorm1d(8)) is m
+
+def test_a_mode_is_a_name_or_an_options_object():
+    with pytest.raises(ValueError, match=r"^`mode`: give the options object, `Renorm\(\)`, not its class$"):
+        BatchNormAccumulation(Renorm)
+    with pytest.raises(ValueError, match=r"^`mode` must be one of .* or a mode's options \(Freeze"):
+        BatchNormAccumulation(nn.GroupNorm(2, 4))
+    with pytest.raises(ValueError, match=r"`precise`: 'freeze' keeps"): BatchNormAccumulation(Freeze(), precise=8)
+
+@pytest.mark.parametrize('kw,new,names', [
+    (dict(r_max=2), 'mode=Renorm(r_max=2)', 'Renorm'),
+    (dict(d_max=1.), 'mode=Renorm(d_max=1.0)', 'Renorm'),
+    (dict(warmup=2, ramp=10), 'mode=Renorm(warmup=2, ramp=10)', 'Renorm'),
+    (dict(num_groups=4), 'mode=Groups(num_groups=4)', 'Groups'),
+    (dict(train_affine=False), 'mode=Freeze(train_affine=False)', 'Freeze'),
+    (dict(r_max=2, num_groups=4), 'mode=Renorm(r_max=2) or mode=Groups(num_groups=4)', 'Renorm, Groups'),
+], ids=['r_max', 'd_max', 'warmup-ramp', 'num_groups', 'train_affine', 'two-modes'])
+def test_0_2_option_keywords_are_refused_with_their_0_3_spelling(kw, new, names):
+    with pytest.raises(TypeError) as e: BatchNormAccumulation('renorm', **kw)
+    old = ', '.join(f'{k}={v!r}' for k,v in kw.items())
+    assert str(e.value) == f"`{old}` is `{new}` since 0.3 (`from accum_callback import {names}`)"
+
+def test_an_unknown_keyword_is_pythons_error():
+    with pytest.raises(TypeError, match=r"^BatchNormAccumulation.__init__\(\) got an unexpected keyword argument 'momentum'$"):
+        BatchNormAccumulation('pool', momentum=0.1)
 
 @pytest.mark.parametrize('mode', BN_MODES)
 def test_no_batchnorm_warns(mode):
@@ -213,7 +286,7 @@ def test_freeze_mode(train_affine):
     model.train(); model(torch.randn(64, 5))   # statistics to freeze
     stats,affine = bn_state(model),[p.clone() for bn in bns(model) for p in bn.parameters()]
     learn = make_learner(make_data(32), 4, model=model, lr=0.1,
-                         cbs=[BatchNormAccumulation('freeze', train_affine=train_affine), SeeModes()])
+                         cbs=[BatchNormAccumulation(Freeze(train_affine=train_affine)), SeeModes()])
     learn.fit(1)
     assert learn.see_modes.seen == {(True, False, False)}
     assert_stats_match(bn_state(model), stats, tol=0.)
@@ -319,7 +392,7 @@ def test_groupnorm_mode_keeps_optimizer_and_freeze():
     learn.unfreeze(); learn.fit(1)
 
 def test_renorm_mode_on_resnet():
-    learn = image_learner(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('renorm', ramp=2)])
+    learn = image_learner(cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation(Renorm(ramp=2))])
     learn.model.eval(); x = torch.randn(2, 3, 32, 32); y = learn.model(x)
     learn.fit(1)
     assert not bns(learn.model) and sum(isinstance(l, BatchRenorm) for l in learn.model.modules()) == 22

@@ -5,7 +5,7 @@ import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.losses import CrossEntropyLossFlat, FocalLossFlat, LabelSmoothingCrossEntropyFlat
 
-from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
+from accum_callback import GradientAccumulation, BatchNormAccumulation, Groups, MicroBatching
 from accum_callback.testing import OutOfMemoryAbove
 from helpers import accumulation, WindowSpy, fit_quiet, make_data, make_learner
 
@@ -72,7 +72,8 @@ class Stateful(nn.Module):
         self.h = out.detach(); return out
 
 def learner(model=None, loss=None, ga=None, bn=None, n=64, bs=4, dtype=None, ds=None, loss_func=None):
-    cbs = accumulation(**(ga or dict(n_step=4))) + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
+    bna = [BatchNormAccumulation(Groups(4) if bn == 'groupnorm' else bn)] if bn else []
+    cbs = accumulation(**(ga or dict(n_step=4))) + bna
     ds = ds if ds is not None else cls_data(n, ignore=-100 if loss == 'ignore' else None)
     return make_learner(ds, bs, cbs=cbs, model=model or MLP(n_out=3), loss_func=loss_func or LOSS_FUNCS[loss or 'mean'], dtype=dtype)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest, torch
 from fastai.learner import load_learner
 
-from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
+from accum_callback import GradientAccumulation, BatchNormAccumulation, Groups, MicroBatching
 from accum_callback.testing import launch_gloo
 from apps import ROWS, BS, N_TRAIN, Row, Oracle, OOMAbove, quiet_fit
 from helpers import accumulation, flat, rel_err
@@ -79,7 +79,8 @@ def build(row:Row, col:str, cbs=(), bs=BS, **kw):
     bn = {'bn_freeze': 'freeze', 'bn_groupnorm': 'groupnorm', 'bn_pool': 'pool', 'bn_momentum': 'momentum',
           'bn_renorm': 'renorm', 'bn_precise': 'pool', 'check_batchnorm': None}.get(col, 'freeze')
     kw_bn = dict(precise=12) if col == 'bn_precise' else {}
-    extra = [BatchNormAccumulation(bn, num_groups=4, **kw_bn)] if row.bn and bn else []   # (tiny layers: 2 channels a group)
+    mode = Groups(4) if bn == 'groupnorm' else bn   # (tiny layers: 2 channels a group)
+    extra = [BatchNormAccumulation(mode, **kw_bn)] if row.bn and bn else []
     return row.make(list(cbs) + extra, dropout=col == 'check_dropout', bs=bs, **(row.spans_kw if col in SPANS else {}), **kw)
 
 # -- the cells -----------------------------------------------------------------------------------------------------

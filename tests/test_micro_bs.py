@@ -7,7 +7,7 @@ import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from fastai.callback.core import Callback
 from fastai.callback.schedule import fit_one_cycle   # noqa: F401
 
-from accum_callback import GradientAccumulation, BatchNormAccumulation, MicroBatching
+from accum_callback import GradientAccumulation, BatchNormAccumulation, Groups, MicroBatching
 from accum_callback.testing import OutOfMemoryAbove
 from helpers import accumulation, MLP, Float64Smoothing, fit_quiet, make_data, make_learner, rel_err
 
@@ -371,7 +371,7 @@ def test_progress_and_n_iter_follow_the_size_in_force(capsys):
 def test_no_warning_from_our_code_in_a_clean_fit(ga, bn):
     "Each feature fits, validates and predicts under `warnings.simplefilter('error')` (the `_split` shadowing warning was raised at every micro_bs fit)"
     ds = make_data(32)
-    cbs = [*accumulation(**ga)] + ([BatchNormAccumulation(bn, num_groups=4)] if bn else [])
+    cbs = [*accumulation(**ga)] + ([BatchNormAccumulation(Groups(4) if bn == 'groupnorm' else bn)] if bn else [])
     learn = make_learner(ds, 8, cbs=cbs, model=BNDropNet(p=0.) if bn else None, dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter('error')

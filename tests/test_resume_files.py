@@ -318,12 +318,12 @@ def test_batch_renorm_resumes_its_ramp_bitwise(tmp_path, kw):
     """`BatchNormAccumulation('renorm')`: each layer's count of training forwards drives r_max/d_max's ramp; resumed at
     0 it was 5.8e-4 (defaults) and 4.0e-3 (warmup=2, ramp=10) off. Cut mid-window and resumed: bitwise, counts equal"""
     import torch.nn as nn
-    from accum_callback import BatchNormAccumulation
+    from accum_callback import BatchNormAccumulation, Renorm
     from accum_callback.batchnorm.norm_layers import BatchRenorm
     def run(folder, cut=None):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-        cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation('renorm', **kw), Checkpoint(folder, batches=1)]
+        cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation(Renorm(**kw)), Checkpoint(folder, batches=1)]
         learn = make_learner(_data(), 4, model=model, cbs=cbs + ([RaiseAt(cut)] if cut else []))
         with learn.no_bar(), learn.no_logging():
             try: learn.fit(2, 0.05)

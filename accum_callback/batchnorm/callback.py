@@ -6,7 +6,6 @@ import contextlib, warnings
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from fastcore.basics import store_attr
 
 from ..window.accumulate import GradientAccumulation
 from ..compat.torch import is_compiled
@@ -14,7 +13,7 @@ from ..micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
 from ..core.protocols import CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
-from .modes import BN_MODES
+from .modes import BN_MODES, BN_OPTIONS, Freeze, Groups, Renorm
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
 from .window_stats import WINDOW_MODES, WindowMode
 from .pool import PooledStats, RecomputeGuard, accumulated_momentum, pooled_mean_var   # (re-exported)
@@ -114,11 +113,11 @@ class Momentum(_Mode):
         if self.k is not None:
             for bn,m in self.saved: bn.momentum = accumulated_momentum(m, self.k)
 
-class Freeze(_Mode):
-    "'freeze': BatchNorm layers normalise with their running statistics in training too"
+class Frozen(_Mode):
+    "'freeze': BatchNorm layers normalise with their running statistics in training too (`Freeze`)"
     def start(self, bns):
         self.frozen,self.saved_rg = bns,[]
-        if not self.cb.train_affine:
+        if not self.cb.options.train_affine:
             ps = [p for bn in bns for p in (bn.weight, bn.bias) if p is not None]
             self.saved_rg = [(p, p.requires_grad) for p in ps]
             for p in ps: p.requires_grad_(False)
@@ -143,36 +142,63 @@ class _Convert(_Mode):
         new = self.convert(self.cb.model)
         if new is not self.cb.model: self.cb.learn.model = new   # the root itself was a BatchNorm
 
-class GroupNorm(_Convert):
-    "'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`)"
+class ToGroupNorm(_Convert):
+    "'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`, `Groups`)"
     def convert(self, model):
         with warnings.catch_warnings():   # the mode's documented effect, not news to the user who chose it
             warnings.filterwarnings('ignore', message='bn_to_groupnorm: running statistics', category=UserWarning)
-            return bn_to_groupnorm(model, self.cb.num_groups)
+            return bn_to_groupnorm(model, self.cb.options.num_groups)
 
-class Renorm(_Convert):
-    "'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`)"
+class ToRenorm(_Convert):
+    "'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`, `Renorm`)"
     def convert(self, model):
-        c = self.cb
-        return bn_to_batchrenorm(model, r_max=c.r_max, d_max=c.d_max, warmup=c.warmup, ramp=c.ramp)
+        o = self.cb.options
+        return bn_to_batchrenorm(model, r_max=o.r_max, d_max=o.d_max, warmup=o.warmup, ramp=o.ramp)
 
-MODES = dict(pool=Pool, momentum=Momentum, freeze=Freeze, groupnorm=GroupNorm, renorm=Renorm)
+MODES = dict(pool=Pool, momentum=Momentum, freeze=Frozen, groupnorm=ToGroupNorm, renorm=ToRenorm)
 MODES.update({m: WindowMode for m in WINDOW_MODES})   # the window's own statistics in training (`window_stats`)
 assert tuple(MODES) == BN_MODES
 PRECISE_AT = ('epoch', 'end')   # when `precise` recomputes the statistics
 
+# 0.2's keywords of a mode's options, now given with the mode
+_MOVED = dict(train_affine=Freeze, num_groups=Groups, r_max=Renorm, d_max=Renorm, warmup=Renorm, ramp=Renorm)
+
+def _refuse_moved(kw:dict):
+    "A keyword that 0.3 moved into the mode's options object: a TypeError spelling the call as 0.3 takes it"
+    if (bad := next((k for k in kw if k not in _MOVED), None)) is not None:
+        raise TypeError(f"BatchNormAccumulation.__init__() got an unexpected keyword argument {bad!r}")
+    by = {}
+    for k,v in kw.items(): by.setdefault(_MOVED[k].__name__, []).append(f'{k}={v!r}')
+    old = ', '.join(f'{k}={v!r}' for k,v in kw.items())
+    new = ' or '.join(f"mode={c}({', '.join(a)})" for c,a in by.items())
+    raise TypeError(f"`{old}` is `{new}` since 0.3 (`from accum_callback import {', '.join(by)}`)")
+
+def _mode_and_options(mode)->tuple:
+    "`mode` as its name and its options object (the defaults for a name; None for a mode without options)"
+    if isinstance(mode, type) and mode in BN_OPTIONS.values():
+        raise ValueError(f"`mode`: give the options object, `{mode.__name__}()`, not its class")
+    if isinstance(mode, tuple(BN_OPTIONS.values())): return mode.name,mode
+    if not isinstance(mode, str) or mode not in BN_MODES:
+        raise ValueError(f"`mode` must be one of {BN_MODES} or a mode's options (Freeze(...), Groups(...), "
+                         f"Renorm(...)), got {mode!r}")
+    return mode,(BN_OPTIONS[mode]() if mode in BN_OPTIONS else None)
+
 # -- the callback -----------------------------------------------------------------------------------------------------
 @one_per_learner("(Each would convert, freeze or pool the same layers.)")
 class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
-    """Make BatchNorm behave under gradient accumulation. `mode` (one of `BN_MODES`):
+    """Make BatchNorm behave under gradient accumulation. `mode`: one of `BN_MODES`, or the options object of a mode
+    that takes options (`Freeze`, `Groups`, `Renorm`: `BatchNormAccumulation('renorm')` is
+    `BatchNormAccumulation(Renorm())`; `.mode` is the name, `.options` the object, None for a mode without options):
     'pool': one running-statistics update per optimizer step, from the statistics pooled over every micro-batch of the
       window: the running statistics one large batch of the same samples leaves. The forward still normalises each
       micro-batch with its own statistics (ghost batch norm). A window that is not stepped (dropped, skipped as
       non-finite, step cancelled) updates nothing; a layer called several times per forward pools all calls.
     'momentum': each BatchNorm momentum m becomes `accumulated_momentum(m, k)` during fit, k micro-batches per window.
-    'freeze': BatchNorm layers use their running statistics in training too; affine parameters train if `train_affine`.
-    'groupnorm': BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
-    'renorm': BatchNorm layers become `BatchRenorm` (`bn_to_batchrenorm`) at the start of fit.
+    'freeze' (`Freeze(train_affine=True)`): BatchNorm layers use their running statistics in training too; affine
+      parameters train if `train_affine`.
+    'groupnorm' (`Groups(num_groups=32)`): BatchNorm layers become GroupNorm (`bn_to_groupnorm`) at the start of fit.
+    'renorm' (`Renorm(r_max=3., d_max=5., warmup=0, ramp=5000)`): BatchNorm layers become `BatchRenorm`
+      (`bn_to_batchrenorm`) at the start of fit.
     'window': every micro-batch is normalised with its whole window's statistics and its backward takes the window's
       sums (`window_stats`): each step's gradient and the running statistics are the large batch's; past
       `WINDOW_EXACT_MAX_LAYERS` layers the approximate variant ('window-approx': the backward's statistics terms from
@@ -185,23 +211,20 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
 
     def __init__(self,
-        mode:str='pool', # one of `BN_MODES`
+        mode:str|Freeze|Groups|Renorm='pool', # one of `BN_MODES`, or a mode's options: `Freeze`, `Groups`, `Renorm`
         *,
-        train_affine:bool=True, # 'freeze': keep training the BatchNorm weight and bias
-        num_groups:int=32, # 'groupnorm': most groups per layer
-        r_max:float=3., d_max:float=5., warmup:int=0, ramp:int=5000, # 'renorm': see `BatchRenorm`
         precise:int|None=None, # at the end of each training epoch, recompute the running statistics from this many training items with the current weights (`update_bn_stats`)
         precise_at:str='epoch', # when: 'epoch' (every epoch's end, before its validation) or 'end' (the last epoch's only: earlier validations read the running statistics)
+        **moved, # 0.2's `train_affine`, `num_groups`, `r_max`, `d_max`, `warmup`, `ramp`: refused, saying 0.3's
     ):
-        if not isinstance(mode, str) or mode not in BN_MODES: raise ValueError(f"`mode` must be one of {BN_MODES}, got {mode!r}")
+        if moved: _refuse_moved(moved)
+        self.mode,self.options = _mode_and_options(mode)
         if precise is not None:
             whole_number(precise, 'precise')
-            if mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and precise "
-                                                  "statistics would replace them: give one or the other")
+            if self.mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and "
+                                                       "precise statistics would replace them: give one or the other")
         if precise_at not in PRECISE_AT: raise ValueError(f"`precise_at` must be one of {PRECISE_AT}, got {precise_at!r}")
-        if not isinstance(train_affine, bool): raise TypeError(f"`train_affine` must be True or False, got {train_affine!r}")
-        whole_number(num_groups, 'num_groups'); BatchRenorm(1, r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
-        store_attr()
+        self.precise,self.precise_at = precise,precise_at
         self.ga,self.active,self._warned = None,None,False
 
     @property
