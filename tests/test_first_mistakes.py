@@ -61,6 +61,58 @@ def test_the_fix_trains_and_the_check_leaves_no_hook():
         learn.fit(1, 1e-2)
     assert learn.gradient_accumulation.steps == 12 and not any(m._forward_pre_hooks for m in learn.model.modules())
 
+def fit_quietly(learn, fit=lambda l: l.fit(1, 1e-2)):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        fit(learn)
+
+@pytest.mark.parametrize('n,bs,cut,said', [
+    (49, 4, None, r"\(the epoch's last batch: the loader's bs=4 with drop_last=False leaves 1 item\).*drop_last=True"),
+    (47, 4, 2, r"\(MicroBatching\(2\) cut a loader batch of 3 items into pieces of 1\).*micro_bs=2")],
+    ids=['last-batch', 'cut'])
+def test_a_micro_batch_of_one_later_in_the_fit_is_said_too(n, bs, cut, said):
+    "The check stays on the whole fit: a micro-batch of 1 after others of 4 (the epoch's last, a cut) is said in one line"
+    learn = Learner(make_dls(data(n), bs), net(), loss_func=nn.CrossEntropyLoss(),
+                    cbs=[GradientAccumulation(n_step=2)] + ([MicroBatching(cut)] if cut else []))
+    with pytest.raises(ValueError, match=r"BatchNorm layer '1' gets 1 value per channel: a micro-batch of 1 item " + said):
+        fit_quietly(learn)
+    assert learn.gradient_accumulation.steps > 0 and not any(m._forward_pre_hooks for m in learn.model.modules())
+
+def test_the_one_item_check_passes_over_eval_and_window_modes():
+    "A layer in eval mode (validation, frozen) given 1 item is not checked; the 'window' modes normalise 1 item over the window"
+    from accum_callback.window.accumulate import one_value_hooks
+    learn = learner([GradientAccumulation(n_step=2)], bs=1)
+    hooks = one_value_hooks(learn)
+    with torch.no_grad():
+        learn.model.eval(); learn.model(torch.randn(1, 6))
+        learn.model.train()
+        with pytest.raises(ValueError, match="gets 1 value per channel"): learn.model(torch.randn(1, 6))
+    for h in hooks: h.remove()
+    learn = learner([GradientAccumulation(n_step=1), MicroBatching(1), BatchNormAccumulation('window')], bs=4)
+    fit_quietly(learn)
+    assert learn.gradient_accumulation.steps == 12
+
+def image_folder(path, n_train=2, n_valid=1):
+    "A tiny `from_folder` dataset: train/ and valid/, two classes of 32x32 images"
+    from PIL import Image
+    for split,n in (('train', n_train), ('valid', n_valid)):
+        for k,c in enumerate(('cat', 'dog')):
+            (path/split/c).mkdir(parents=True)
+            for i in range(n): Image.new('RGB', (32, 32), (40*i, 0, 200*k)).save(path/split/c/f'{i}.png')
+    return path
+
+def test_vision_learner_at_bs_1_is_said_in_one_line_and_the_fix_trains(tmp_path):
+    "A newcomer's first fine-tune at bs=1: a resnet's BatchNorm layers (body and head) are said, not torch's deep error"
+    from fastai.vision.all import ImageDataLoaders, Resize, resnet18, vision_learner
+    dls = lambda: ImageDataLoaders.from_folder(image_folder(tmp_path), bs=1, item_tfms=Resize(32), device='cpu', num_workers=0)
+    learn = vision_learner(dls(), resnet18, pretrained=False, cbs=[GradientAccumulation(n_step=4)])
+    refused(learn, r"BatchNorm layer '.+' gets 1 value per channel: a micro-batch of 1 item \(the loader's bs=1\).*"
+                   r"BatchNormAccumulation\('groupnorm'\).*the loader's bs=2 or more", fit=lambda l: l.fine_tune(1))
+    assert not any(m._forward_pre_hooks for m in learn.model.modules())
+    learn = vision_learner(learn.dls, resnet18, pretrained=False, cbs=[GradientAccumulation(n_step=4), BatchNormAccumulation('groupnorm')])
+    fit_quietly(learn, lambda l: l.fit(1, 1e-3))
+    assert learn.gradient_accumulation.steps == 1
+
 def test_fastai_callback_under_our_name_is_said_at_fit_start(tmp_path):
     "The star import's shadow: fastai's callback beside ours is said in one line; ours alone says nothing of it"
     learn = learner([FastaiGA(8), Checkpoint(tmp_path/'a')])
