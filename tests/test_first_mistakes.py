@@ -1,6 +1,7 @@
 """The mistakes a newcomer makes first, each made as a newcomer makes it: one line naming the argument and the fix, said
 before anything trains (the weights are checked unchanged where the fit is refused)"""
 import warnings
+from pathlib import Path
 import pytest, torch, torch.nn as nn
 from torch.utils.data import TensorDataset
 from fastai.learner import Learner
@@ -170,7 +171,7 @@ def test_plot_loss_counts_optimizer_steps():
     assert ax.get_xlabel() == 'optimizer step' and list(train.get_xdata()) == list(range(1, ga.steps+1)) == list(range(1, 7))
     assert list(valid.get_xdata()) == [3, 6] and list(valid.get_ydata()) == [v[1] for v in learn.recorder.values]
 
-def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path):
+def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path, capsys):
     from PIL import Image
     from accum_finetune.data import DataError, check_folder
     for c in ('cat', 'dog'):
@@ -179,5 +180,17 @@ def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path):
     (tmp_path/'models').mkdir()                                      # what lr_find leaves
     (tmp_path/'ckpt').mkdir(); (tmp_path/'ckpt'/'ckpt-000001.rank0.pt').write_bytes(b'x')   # Checkpoint('ckpt')
     assert set(check_folder(tmp_path)['all']) == {'cat', 'dog'}
-    (tmp_path/'bird').mkdir()                                        # an empty class folder is still a mistake
-    with pytest.raises(DataError, match='class folder .*bird has no images'): check_folder(tmp_path)
+    # any folder without image files is no class, as in fastai's from_folder: a checkpoint folder with another name,
+    # emptied or holding a write cut short, passed over; one that is not training's, in one line
+    from fastai.vision.all import ImageDataLoaders
+    (tmp_path/'run1').mkdir(); (tmp_path/'run1'/'.ckpt-000002.rank0.pt.7.part').write_bytes(b'x')
+    (tmp_path/'bird').mkdir(); (tmp_path/'notes').mkdir(); (tmp_path/'notes'/'todo.txt').write_text('x')
+    assert set(check_folder(tmp_path)['all']) == {'cat', 'dog'}
+    said = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(said) == 2 and all("holds no image files: passed over, not a class" in l for l in said), said
+    assert {Path(l.split(': ')[2].split(' holds')[0]).name for l in said} == {'bird', 'notes'}
+    fastai = ImageDataLoaders.from_folder(tmp_path, valid_pct=0.5, bs=2, device='cpu', num_workers=0)
+    assert list(fastai.vocab) == ['cat', 'dog']   # (fastai's own labels: the same two)
+    # passing over leaves one class: said so
+    for c in ('dog',): [f.unlink() for f in (tmp_path/c).iterdir()]
+    with pytest.raises(DataError, match=r'only one class folder \(cat\); need at least 2'): check_folder(tmp_path)
