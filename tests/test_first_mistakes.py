@@ -114,6 +114,37 @@ def test_vision_learner_at_bs_1_is_said_in_one_line_and_the_fix_trains(tmp_path)
     fit_quietly(learn, lambda l: l.fit(1, 1e-3))
     assert learn.gradient_accumulation.steps == 1
 
+BLOCKED_LOAD = """
+import sys, warnings
+class Hide:   # a machine without accum_callback
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'accum_callback': raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Hide())
+warnings.simplefilter('ignore')
+from fastai.learner import load_learner
+try: learn = load_learner(sys.argv[1])
+except Exception as e: print('FAILED', type(e).__name__); raise SystemExit(0)
+print('LOADED', repr(learn.predict(sys.argv[2])[0]), 'accum_callback' in sys.modules)
+"""
+
+def test_an_exported_learner_loads_without_the_package_once_ours_are_removed(tmp_path):
+    "What the README says: ours pickled with the Learner need the package where it loads; removed before export, none"
+    import subprocess, sys
+    from fastai.vision.all import ImageDataLoaders, Resize
+    dls = ImageDataLoaders.from_folder(image_folder(tmp_path/'imgs'), bs=2, item_tfms=Resize(32), device='cpu', num_workers=0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    learn = Learner(dls, model, path=tmp_path, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool')])
+    fit_quietly(learn)
+    load = lambda f: subprocess.run([sys.executable, '-c', BLOCKED_LOAD, str(tmp_path/f), str(tmp_path/'imgs'/'valid'/'dog'/'0.png')],
+                                    capture_output=True, text=True, timeout=300)
+    learn.export('with_ours.pkl')
+    assert load('with_ours.pkl').stdout.split() == ['FAILED', 'UnboundLocalError']   # fastai swallows the ImportError
+    learn.remove_cbs([learn.gradient_accumulation, learn.batch_norm_accumulation])
+    learn.export('without.pkl')
+    res = load('without.pkl')
+    assert 'LOADED' in res.stdout, res.stderr[-2000:]
+    assert res.stdout[res.stdout.index('LOADED'):].split() == ['LOADED', repr(learn.predict(tmp_path/'imgs'/'valid'/'dog'/'0.png')[0]), 'False']
+
 def test_fastai_callback_under_our_name_is_said_at_fit_start(tmp_path):
     "The star import's shadow: fastai's callback beside ours is said in one line; ours alone says nothing of it"
     learn = learner([FastaiGA(8), Checkpoint(tmp_path/'a')])
