@@ -1,5 +1,6 @@
 "Data for `accum-finetune`: the embedded digits transfer task (no download) and checked image folders"
 from __future__ import annotations
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def image_exts()->set:
     return IMAGE_EXTS | set(image_extensions)
 
 # what training writes into a Learner's `path` (fastai's `model_dir`, `Checkpoint`'s default and files): not classes
-TRAINING_OUTPUTS,TRAINING_FILES = ('models', 'checkpoints'),('.pt', '.pth', '.pkl')
+TRAINING_OUTPUTS,TRAINING_FILES = ('models', 'checkpoints'),('.pt', '.pth', '.pkl', '.part')   # (.part: a write cut short)
 
 def _training_output(folder:Path)->bool:
     "A folder with no image that training wrote: `models/`, `checkpoints/`, or one holding only weights and checkpoints"
@@ -88,13 +89,18 @@ def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
     found = {}
     for c in classes:
         files = sorted(f for f in c.rglob('*') if f.is_file() and f.suffix.lower() in image_exts())
-        if not files and _training_output(c): continue   # what fastai (`lr_find`, `learn.save`) or `Checkpoint` wrote there
-        if not files: raise DataError(f"--data {path}: class folder {c} has no images")
+        # a folder without images is no class, as in fastai's `from_folder` (which labels image files by their folder):
+        # what fastai (`lr_find`, `learn.save`) or `Checkpoint` wrote there passed over silently, any other in one line
+        if not files:
+            if not _training_output(c): print(f"accum-finetune: --data {path}: {c} holds no image files: passed over, "
+                                              "not a class (as fastai's from_folder does)", file=sys.stderr)
+            continue
         for f in (files if decode else ()):
             try:
                 with Image.open(f) as im: im.load()   # decode it all: `verify()` misses truncated files
             except Exception as e: raise DataError(f"--data {path}: cannot read image {f} ({type(e).__name__})") from None
         found[c.name] = files
+    if not found: raise DataError(f"--data {path}: no sub-folder of {folder} holds images (expected one sub-folder of images per class)")
     return found
 
 def check_folder(path, decode:bool=True)->dict:

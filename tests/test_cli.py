@@ -243,9 +243,18 @@ def test_empty_folder(tmp_path):
     (tmp_path/'empty').mkdir(); out = tmp_path/'out'
     check_error(run_cli('--data', tmp_path/'empty', '--out', out), out, tmp_path/'empty', 'empty')
 
-def test_class_without_images(tmp_path):
-    data = make_folder(tmp_path/'imgs', n_classes=2); (data/'class9').mkdir(); (data/'class9'/'notes.txt').write_text('x')
-    out = tmp_path/'out'; check_error(run_cli('--data', data, '--out', out), out, data/'class9', 'no images')
+def test_folder_without_images_is_no_class(tmp_path):
+    "A sub-folder without image files is no class (fastai's from_folder): passed over; if one class is left, refused"
+    data = make_folder(tmp_path/'imgs', n_classes=2, n=2); (data/'class9').mkdir(); (data/'class9'/'notes.txt').write_text('x')
+    from accum_finetune.data import check_folder
+    assert set(check_folder(data)['all']) == {'class0', 'class1'}
+    for f in (data/'class1').iterdir(): f.unlink()
+    out = tmp_path/'out'; res = run_cli('--data', data, '--out', out)
+    assert [l for l in res.stderr.splitlines() if 'passed over' in l] == [
+        f"accum-finetune: --data {data}: {data/'class1'} holds no image files: passed over, not a class (as fastai's from_folder does)",
+        f"accum-finetune: --data {data}: {data/'class9'} holds no image files: passed over, not a class (as fastai's from_folder does)"]
+    res.stderr = '\n'.join(l for l in res.stderr.splitlines() if 'passed over' not in l)
+    check_error(res, out, data, 'only one class folder (class0)')
 
 def test_corrupt_image(tmp_path):
     data = make_folder(tmp_path/'imgs', n_classes=2)

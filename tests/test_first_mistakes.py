@@ -1,6 +1,7 @@
 """The mistakes a newcomer makes first, each made as a newcomer makes it: one line naming the argument and the fix, said
 before anything trains (the weights are checked unchanged where the fit is refused)"""
 import warnings
+from pathlib import Path
 import pytest, torch, torch.nn as nn
 from torch.utils.data import TensorDataset
 from fastai.learner import Learner
@@ -61,6 +62,89 @@ def test_the_fix_trains_and_the_check_leaves_no_hook():
         learn.fit(1, 1e-2)
     assert learn.gradient_accumulation.steps == 12 and not any(m._forward_pre_hooks for m in learn.model.modules())
 
+def fit_quietly(learn, fit=lambda l: l.fit(1, 1e-2)):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        fit(learn)
+
+@pytest.mark.parametrize('n,bs,cut,said', [
+    (49, 4, None, r"\(the epoch's last batch: the loader's bs=4 with drop_last=False leaves 1 item\).*drop_last=True"),
+    (47, 4, 2, r"\(MicroBatching\(2\) cut a loader batch of 3 items into pieces of 1\).*micro_bs=2")],
+    ids=['last-batch', 'cut'])
+def test_a_micro_batch_of_one_later_in_the_fit_is_said_too(n, bs, cut, said):
+    "The check stays on the whole fit: a micro-batch of 1 after others of 4 (the epoch's last, a cut) is said in one line"
+    learn = Learner(make_dls(data(n), bs), net(), loss_func=nn.CrossEntropyLoss(),
+                    cbs=[GradientAccumulation(n_step=2)] + ([MicroBatching(cut)] if cut else []))
+    with pytest.raises(ValueError, match=r"BatchNorm layer '1' gets 1 value per channel: a micro-batch of 1 item " + said):
+        fit_quietly(learn)
+    assert learn.gradient_accumulation.steps > 0 and not any(m._forward_pre_hooks for m in learn.model.modules())
+
+def test_the_one_item_check_passes_over_eval_and_window_modes():
+    "A layer in eval mode (validation, frozen) given 1 item is not checked; the 'window' modes normalise 1 item over the window"
+    from accum_callback.window.accumulate import one_value_hooks
+    learn = learner([GradientAccumulation(n_step=2)], bs=1)
+    hooks = one_value_hooks(learn)
+    with torch.no_grad():
+        learn.model.eval(); learn.model(torch.randn(1, 6))
+        learn.model.train()
+        with pytest.raises(ValueError, match="gets 1 value per channel"): learn.model(torch.randn(1, 6))
+    for h in hooks: h.remove()
+    learn = learner([GradientAccumulation(n_step=1), MicroBatching(1), BatchNormAccumulation('window')], bs=4)
+    fit_quietly(learn)
+    assert learn.gradient_accumulation.steps == 12
+
+def image_folder(path, n_train=2, n_valid=1):
+    "A tiny `from_folder` dataset: train/ and valid/, two classes of 32x32 images"
+    from PIL import Image
+    for split,n in (('train', n_train), ('valid', n_valid)):
+        for k,c in enumerate(('cat', 'dog')):
+            (path/split/c).mkdir(parents=True)
+            for i in range(n): Image.new('RGB', (32, 32), (40*i, 0, 200*k)).save(path/split/c/f'{i}.png')
+    return path
+
+def test_vision_learner_at_bs_1_is_said_in_one_line_and_the_fix_trains(tmp_path):
+    "A newcomer's first fine-tune at bs=1: a resnet's BatchNorm layers (body and head) are said, not torch's deep error"
+    from fastai.vision.all import ImageDataLoaders, Resize, resnet18, vision_learner
+    dls = lambda: ImageDataLoaders.from_folder(image_folder(tmp_path), bs=1, item_tfms=Resize(32), device='cpu', num_workers=0)
+    learn = vision_learner(dls(), resnet18, pretrained=False, cbs=[GradientAccumulation(n_step=4)])
+    refused(learn, r"BatchNorm layer '.+' gets 1 value per channel: a micro-batch of 1 item \(the loader's bs=1\).*"
+                   r"BatchNormAccumulation\('groupnorm'\).*the loader's bs=2 or more", fit=lambda l: l.fine_tune(1))
+    assert not any(m._forward_pre_hooks for m in learn.model.modules())
+    learn = vision_learner(learn.dls, resnet18, pretrained=False, cbs=[GradientAccumulation(n_step=4), BatchNormAccumulation('groupnorm')])
+    fit_quietly(learn, lambda l: l.fit(1, 1e-3))
+    assert learn.gradient_accumulation.steps == 1
+
+BLOCKED_LOAD = """
+import sys, warnings
+class Hide:   # a machine without accum_callback
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'accum_callback': raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Hide())
+warnings.simplefilter('ignore')
+from fastai.learner import load_learner
+try: learn = load_learner(sys.argv[1])
+except Exception as e: print('FAILED', type(e).__name__); raise SystemExit(0)
+print('LOADED', repr(learn.predict(sys.argv[2])[0]), 'accum_callback' in sys.modules)
+"""
+
+def test_an_exported_learner_loads_without_the_package_once_ours_are_removed(tmp_path):
+    "What the README says: ours pickled with the Learner need the package where it loads; removed before export, none"
+    import subprocess, sys
+    from fastai.vision.all import ImageDataLoaders, Resize
+    dls = ImageDataLoaders.from_folder(image_folder(tmp_path/'imgs'), bs=2, item_tfms=Resize(32), device='cpu', num_workers=0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    learn = Learner(dls, model, path=tmp_path, cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool')])
+    fit_quietly(learn)
+    load = lambda f: subprocess.run([sys.executable, '-c', BLOCKED_LOAD, str(tmp_path/f), str(tmp_path/'imgs'/'valid'/'dog'/'0.png')],
+                                    capture_output=True, text=True, timeout=300)
+    learn.export('with_ours.pkl')
+    assert load('with_ours.pkl').stdout.split() == ['FAILED', 'UnboundLocalError']   # fastai swallows the ImportError
+    learn.remove_cbs([learn.gradient_accumulation, learn.batch_norm_accumulation])
+    learn.export('without.pkl')
+    res = load('without.pkl')
+    assert 'LOADED' in res.stdout, res.stderr[-2000:]
+    assert res.stdout[res.stdout.index('LOADED'):].split() == ['LOADED', repr(learn.predict(tmp_path/'imgs'/'valid'/'dog'/'0.png')[0]), 'False']
+
 def test_fastai_callback_under_our_name_is_said_at_fit_start(tmp_path):
     "The star import's shadow: fastai's callback beside ours is said in one line; ours alone says nothing of it"
     learn = learner([FastaiGA(8), Checkpoint(tmp_path/'a')])
@@ -118,7 +202,7 @@ def test_plot_loss_counts_optimizer_steps():
     assert ax.get_xlabel() == 'optimizer step' and list(train.get_xdata()) == list(range(1, ga.steps+1)) == list(range(1, 7))
     assert list(valid.get_xdata()) == [3, 6] and list(valid.get_ydata()) == [v[1] for v in learn.recorder.values]
 
-def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path):
+def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path, capsys):
     from PIL import Image
     from accum_finetune.data import DataError, check_folder
     for c in ('cat', 'dog'):
@@ -127,5 +211,17 @@ def test_the_job_passes_over_what_training_wrote_in_the_image_folder(tmp_path):
     (tmp_path/'models').mkdir()                                      # what lr_find leaves
     (tmp_path/'ckpt').mkdir(); (tmp_path/'ckpt'/'ckpt-000001.rank0.pt').write_bytes(b'x')   # Checkpoint('ckpt')
     assert set(check_folder(tmp_path)['all']) == {'cat', 'dog'}
-    (tmp_path/'bird').mkdir()                                        # an empty class folder is still a mistake
-    with pytest.raises(DataError, match='class folder .*bird has no images'): check_folder(tmp_path)
+    # any folder without image files is no class, as in fastai's from_folder: a checkpoint folder with another name,
+    # emptied or holding a write cut short, passed over; one that is not training's, in one line
+    from fastai.vision.all import ImageDataLoaders
+    (tmp_path/'run1').mkdir(); (tmp_path/'run1'/'.ckpt-000002.rank0.pt.7.part').write_bytes(b'x')
+    (tmp_path/'bird').mkdir(); (tmp_path/'notes').mkdir(); (tmp_path/'notes'/'todo.txt').write_text('x')
+    assert set(check_folder(tmp_path)['all']) == {'cat', 'dog'}
+    said = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(said) == 2 and all("holds no image files: passed over, not a class" in l for l in said), said
+    assert {Path(l.split(': ')[2].split(' holds')[0]).name for l in said} == {'bird', 'notes'}
+    fastai = ImageDataLoaders.from_folder(tmp_path, valid_pct=0.5, bs=2, device='cpu', num_workers=0)
+    assert list(fastai.vocab) == ['cat', 'dog']   # (fastai's own labels: the same two)
+    # passing over leaves one class: said so
+    for c in ('dog',): [f.unlink() for f in (tmp_path/c).iterdir()]
+    with pytest.raises(DataError, match=r'only one class folder \(cat\); need at least 2'): check_folder(tmp_path)

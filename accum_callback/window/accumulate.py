@@ -10,9 +10,10 @@ from fastai.torch_core import find_bs
 from fastcore.basics import patch
 
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
+from ..compat.torch import BatchNormBase
 from ..core.protocols import (Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
                                refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard,
-                               RunningStatsPolicy, trained_bn_layers)
+                               RunningStatsPolicy)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
 from ..micro import MicroBatching, micro_batching
 from ..core.loaders import ReadAhead
@@ -96,7 +97,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
-        self._bn_hooks = one_value_hooks(self.learn)   # until the first training micro-batch's forward is done
+        self._bn_hooks = None   # BatchNorm's check: hooked at the fit's first micro-batch of 1 item, on to the fit's end
         if (f := lr_finder(self.learn)) is not None:   # `lr_find`: a rate a step (joined now: its `before_fit` by hand)
             self.learn.add_cb(w := WindowedLRFinder(self, f)); self._joined.append(w); w.before_fit()
 
@@ -118,8 +119,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         "(`CutLoader`, once the loader is final) Read the training loader ahead: the window ends where the loader really ends"
         self._ahead = self.learn.dl = ReadAhead(self.plan.loader(self.learn.dl, self.learn.model))
 
-    def after_pred(self): self._remove_bn_hooks()
-    def _remove_bn_hooks(self): [h.remove() for h in self._bn_hooks]; self._bn_hooks = []
+    def _remove_bn_hooks(self): [h.remove() for h in self._bn_hooks or []]; self._bn_hooks = []
 
     def _unhook(self):
         "The fit is over (or left by an exception): the window discarded, the loader and the callback list as before the fit"
@@ -146,6 +146,7 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         if self._new_fit: self.reset_logs(); self._new_fit = False
         self._end_micro()   # the last micro-batch's `after_batch` did not reach us (cancelled by a callback before us)
         bs,ddp = find_bs(learn.yb if len(learn.yb) else learn.xb),is_distributed(learn.model)
+        if bs < 2 and self._bn_hooks is None: self._bn_hooks = one_value_hooks(learn)   # (a micro-batch of 2 costs nothing)
         if plan.clock.epoch != learn.epoch:   # the clock counts the epoch's windows over the loader's real batches
             real = self.mb.loader.dl if self.mb is not None and self.mb.loader is not None else (self._ahead.dl if self._ahead is not None else learn.dl)
             plan.start_epoch(learn, real, w.n_units if self.mb is not None else w.n_micro, w.n_samples, ddp)
@@ -258,22 +259,31 @@ def refuse_unreduced_loss(loss_func):
                          "reduce it yourself: loss_func=lambda out, *y: loss(out, *y).mean()")
 
 def one_value_hooks(learn)->list:
-    """Forward pre-hooks on the BatchNorm layers training updates, removed after the fit's first forward: a layer given one
-    value per channel (micro-batches of one item) is refused naming the fix, before torch raises deep in the forward"""
+    """Forward pre-hooks on the model's BatchNorm layers, put on at the fit's first micro-batch of 1 item and kept to the
+    fit's end: a layer in training mode given one value per channel is refused naming the fix, before torch raises deep
+    in the forward (a layer in eval mode, in validation or frozen, is not checked)"""
     def check(name):
         def hook(m, args):
             x = args[0] if args else None
             if m.training and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() == x.shape[1]:
                 # (a head's BatchNorm1d on (N, C) as GroupNorm would output its bias only: frozen instead)
                 fix = "'freeze'" if x.dim() == 2 else "'groupnorm') (or 'freeze'"
-                raise ValueError(f"BatchNorm layer {name!r} gets 1 value per channel: micro-batches of 1 item (the loader's "
-                                 f"bs={find_bs(learn.yb) if len(learn.yb) else 1}, or MicroBatching's size) cannot be "
-                                 f"normalised. Give cbs=BatchNormAccumulation({fix}), or micro-batches of 2 or more items "
-                                 "(the loader's bs=, MicroBatching(2))")
+                src,more = one_item_source(learn)
+                raise ValueError(f"BatchNorm layer {name!r} gets 1 value per channel: a micro-batch of 1 item ({src}) "
+                                 f"cannot be normalised. Give cbs=BatchNormAccumulation({fix}), or micro-batches of 2 or "
+                                 f"more items ({more})")
         return hook
     if any(isinstance(cb, RunningStatsPolicy) and cb.window_normalises() for cb in learn.cbs): return []
-    layers = {id(m) for m in trained_bn_layers(learn.model)}
-    return [m.register_forward_pre_hook(check(n)) for n,m in learn.model.named_modules() if id(m) in layers]
+    return [m.register_forward_pre_hook(check(n)) for n,m in learn.model.named_modules() if isinstance(m, BatchNormBase)]
+
+def one_item_source(learn)->tuple[str,str]:
+    "Where a micro-batch of 1 item comes from (the loader's `bs`, its last batch, `MicroBatching`'s cut), and its fix"
+    mb,bs = micro_batching(learn),getattr(learn.dls.train, 'bs', None)
+    if bs == 1: return "the loader's bs=1","the loader's bs=2 or more"
+    if mb is not None and mb.piece is not None and mb.piece.batch_n > 1:
+        return f"{mb!r} cut a loader batch of {mb.piece.batch_n} items into pieces of 1","MicroBatching(2) or more: micro_bs=2"
+    return (f"the epoch's last batch: the loader's bs={bs} with drop_last=False leaves 1 item",
+            "the training loader's drop_last=True, or a bs that leaves 2 or more")
 
 @patch
 def accumulate(self:Learner,
