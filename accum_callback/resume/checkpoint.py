@@ -21,9 +21,9 @@ from fastai.callback.schedule import LRFinder
 
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
 from ..core.protocols import CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard, window_owner
-from ..core.loaders import ReadAhead, can_skip
+from ..core.loaders import ReadAhead, can_skip, feed_of, inner_loader, is_last_batch, piece_of
 from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, write_checkpoint)                                                               # _MAGIC, read_...)
-from .fit_place import FitPlace, inner_loader
+from .fit_place import FitPlace
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
 from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
@@ -128,7 +128,7 @@ class Checkpoint(Callback):
         if self._off: return
         # the training loader read one batch ahead, with its place kept (`Feed`): `GradientAccumulation`'s or
         # `MicroBatching`'s where they run (ordered before this), else this callback's own, for a Learner without them
-        if getattr(self.learn.dl, 'feed', None) is None: self.learn.dl = ReadAhead(self.learn.dl)
+        if feed_of(self.learn.dl) is None: self.learn.dl = ReadAhead(self.learn.dl)
         self.place.start_epoch(self.learn)
 
     def before_batch(self):
@@ -138,10 +138,10 @@ class Checkpoint(Callback):
     def after_batch(self):
         if self._off or not self.training: return
         learn = self.learn
-        piece = getattr(learn.dl, 'piece', None)   # (`MicroBatching`'s loader: the piece of a loader batch being run)
+        piece = piece_of(learn.dl)   # (`MicroBatching`'s loader: the piece of a loader batch being run)
         if piece is not None and not piece.last_piece: return   # (the pieces of one loader batch: saved after its last)
         self.place.k += 1
-        last = getattr(learn.dl, 'last', None) if piece is None else piece.last_batch
+        last = is_last_batch(learn.dl)
         if last or not (self._due() or self._deferred): return
         ga = self._ga()
         # FSDP2 and a `global_window` run save at the window's end (`world_size.save_waits`)
