@@ -24,7 +24,7 @@ _TIERS = (('compat', ('torch', 'fastai')),
           ('batchnorm', ('modes', 'norm_layers', 'precise', 'window_stats', 'pool', 'callback')),
           ('check', ('replay', 'batchnorm', 'accumulation')),
           ('noise', ('scale', 'measure')),
-          ('resume', ('format', 'fit_state', 'fit_place', 'world_size', 'sharded', 'checkpoint')),
+          ('resume', ('format', 'fit_state', 'fit_place', 'world_size', 'sharded', 'cadence', 'checkpoint')),
           ('fsdp', ()), ('testing', ()))
 _LAYERS = tuple(f'{t}.{m}' if ms else t for t,ms in _TIERS for m in (ms or ('',)))
 def _load_all():

@@ -223,7 +223,9 @@ def _run(args)->int:
         if args.checkpoint_minutes:
             from accum_callback import Checkpoint
             _CHECKPOINTS.append(args.out.resolve()/'checkpoints')
-            ckpt = Checkpoint(args.out.resolve()/'checkpoints', minutes=args.checkpoint_minutes, resume=args.resume, signals=('SIGTERM',))
+            m = args.checkpoint_minutes   # (each epoch's end too; `inf` minutes: those only)
+            every = ('1ep', f'{m!r}min') if m != float('inf') else '1ep'
+            ckpt = Checkpoint(args.out.resolve()/'checkpoints', every=every, resume=args.resume, signals=('SIGTERM',))
         try:
             with _data_parallel(learn, device): m = finetune(learn, args.epochs, args.lr, cbs=[ckpt] if ckpt is not None else None)
         except SystemExit as e:

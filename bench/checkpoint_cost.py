@@ -71,8 +71,8 @@ def train_ratio(rounds:int, d:Path):
         t0 = time.perf_counter()
         with learn.no_bar(), learn.no_logging(): learn.fit(2)
         return time.perf_counter()-t0,getattr(extra[0], 'end_s', 0.) if extra else 0.
-    kinds = dict(plain=lambda: [], minutes5=lambda: [_TimedEnd(d/'m5', minutes=5, epoch_end=False, resume=False)],
-                 every_step=lambda: [Checkpoint(d/'e1', every=1, epoch_end=False, resume=False)])
+    kinds = dict(plain=lambda: [], minutes5=lambda: [_TimedEnd(d/'m5', every='5min', resume=False)],
+                 every_step=lambda: [Checkpoint(d/'e1', every='step', resume=False)])
     fit([])   # warm-up
     times,ends = {k: [] for k in kinds},[]
     for r in range(rounds):

@@ -69,7 +69,7 @@ def learner(config:str, folder:Path, extra=()):
     valid = regression_data(16, seed=2)
     dls = DataLoaders(DataLoader(ds, bs=8, shuffle=True, drop_last=False), DataLoader(valid, bs=8), device='cpu')
     cbs,loss,opt = [],nn.functional.mse_loss,SGD
-    ckpt = dict(batches=2)
+    ckpt = dict(every=('1ep', '2ba'))
     if config == 'n_step': cbs = [GradientAccumulation(n_step=3)]
     elif config == 'carry_pool':
         cbs = [GradientAccumulation(target_bs=20, partial='carry'), BatchNormAccumulation('pool', precise=24)]; opt = Adam
@@ -160,7 +160,7 @@ def ranks_resume(rank:int, world:int, d:str, kind:str='ddp', at:int=5):
         dls = DataLoaders(DataLoader(TensorDataset(x[rank::world], y[rank::world]), bs=4, shuffle=True),
                           DataLoader(TensorDataset(x[:8], y[:8]), bs=8), device='cpu')
         learn = Learner(dls, model, loss_func=nn.functional.mse_loss, opt_func=Adam, lr=1e-2,
-                        cbs=[GradientAccumulation(n_step=3), Checkpoint(Path(d)/folder, batches=2)] + list(extra))
+                        cbs=[GradientAccumulation(n_step=3), Checkpoint(Path(d)/folder, every=('1ep', '2ba'))] + list(extra))
         if kind == 'ddp': learn.model = DDP(model)
         else: fsdp_shard(model, world); learn.create_opt(); learn.fsdp_checkpoints()
         return learn

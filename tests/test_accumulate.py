@@ -473,7 +473,7 @@ def test_no_host_synchronisation_in_a_micro_batch_that_does_not_step():
     with tempfile.TemporaryDirectory() as d:
         learn = make_learner(TensorDataset(torch.randn(96, 4), torch.randint(0, 3, (96,))), 4, model=model, loss_func=nn.CrossEntropyLoss(),
                              cbs=[GradientAccumulation(target_bs=noise.schedule(warmup=2)), BatchNormAccumulation('pool', precise=16), noise,
-                                  Checkpoint(d, every=3), Count(), Arm()])
+                                  Checkpoint(d, every=(3, '1ep')), Count(), Arm()])
         for k in HOST_SYNCS: setattr(torch.Tensor, k, counted(k))
         try: fit_quiet(learn, 2)
         finally:

@@ -142,7 +142,7 @@ class RaiseAt(Callback):
 
 def test_resume_is_bitwise(tmp_path):
     from accum_callback import Checkpoint
-    def make(*cbs): return window_learner(40, 12, 5, cbs=[Checkpoint(tmp_path/'ck', batches=1), *cbs])
+    def make(*cbs): return window_learner(40, 12, 5, cbs=[Checkpoint(tmp_path/'ck', every=('1ep', '1ba')), *cbs])
     ref = window_learner(40, 12, 5); fit(ref, 2)
     cut = make(RaiseAt(7))
     with warnings.catch_warnings(), pytest.raises(Boom): warnings.simplefilter('ignore'); cut.fit(2)

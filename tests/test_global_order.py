@@ -210,7 +210,7 @@ def test_resumed_on_another_number_of_processes_is_the_same_run(tmp_path, one, o
     before the cut is at a window's end), resumed on `new`: the windows before the cut and after the resume are the
     uninterrupted run's, sample for sample, and the weights equal the uninterrupted 1-process run's to 1e-6"""
     k = 32//(old*4)   # micro-batches a window on `old` processes; 3 windows an epoch
-    ck = (str(tmp_path/'ck'), dict(every=1))
+    ck = (str(tmp_path/'ck'), dict(every=(1, '1ep')))
     cut = _per_rank(old, _run(old, ckpt=ck, cut=4*k + 1))   # the first micro-batch of the epoch's second window
     assert all(r['cut'] for r in cut)
     before = _global([r['windows'] for r in cut])
@@ -229,7 +229,7 @@ def test_resumed_across_numbers_with_padding_and_pooled_batchnorm_is_the_same_ru
     kw = dict(n=100, layer='batchnorm', bn='pool')
     one = W.train(world=1, **kw)
     ends = window_ends(100, 32, old, 4)
-    ck = (str(tmp_path/'ck'), dict(every=1))
+    ck = (str(tmp_path/'ck'), dict(every=(1, '1ep')))
     cut = _per_rank(old, _run(old, ckpt=ck, cut=ends[-1] + ends[1] + 1, **kw))   # epoch 2's second window, its first micro-batch
     before = _global([r['windows'] for r in cut])
     assert before == one['windows'][:5]
@@ -266,7 +266,7 @@ def test_what_another_number_of_processes_changes_is_said_at_resume(tmp_path, la
     rank keeps its own: plain, 'momentum') are said in one line each; 'pool' (pooled over all ranks' part of each
     window), 'freeze' and 'groupnorm' say nothing and stay the uninterrupted 1-process run, weights and running
     statistics to 1e-6; with dropout the weights are apart, as said"""
-    ck = (str(tmp_path/'ck'), dict(every=1))
+    ck = (str(tmp_path/'ck'), dict(every=(1, '1ep')))
     kw = dict(layer=layer, bn=bn)
     _run(2, ckpt=ck, cut=17, **kw)   # the first micro-batch of the second epoch's second window
     res,one = W.train(ckpt=ck, **kw),W.train(**kw)
@@ -276,8 +276,8 @@ def test_what_another_number_of_processes_changes_is_said_at_resume(tmp_path, la
     else: assert rel_err(res['params'], one['params']) <= TOL and rel_err(res['buffers'], one['buffers']) > 1e-3
 
 def test_a_checkpoint_mid_window_is_refused_on_another_number_of_processes(tmp_path):
-    "Saved after every micro-batch (`batches=1`), cut mid-window on 2 processes: on 1 the half window is refused, naming both numbers; on 2 it resumes"
-    ck = (str(tmp_path/'ck'), dict(batches=1))
+    "Saved after every micro-batch (`every=('1ep', '1ba')`), cut mid-window on 2 processes: on 1 the half window is refused, naming both numbers; on 2 it resumes"
+    ck = (str(tmp_path/'ck'), dict(every=('1ep', '1ba')))
     _run(2, ckpt=ck, cut=6)   # the second micro-batch of the second window
     from accum_callback.resume.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match=r"saved on 2 process\(es\) and this run has 1, and it holds half a window"):
@@ -299,7 +299,7 @@ def test_the_noise_scale_is_one_processs_on_any_number(world):
 def test_a_rank_file_missing_from_the_newest_is_passed_over_on_as_many_processes(tmp_path):
     """Issue 61: a `global_window` run cut between the ranks' writes (rank 1's newest file missing), resumed on as many
     processes: that checkpoint is passed over (FileNotFoundError before), the one before it resumed, the same run"""
-    ck = (str(tmp_path/'ck'), dict(every=1))
+    ck = (str(tmp_path/'ck'), dict(every=(1, '1ep')))
     _run(2, ckpt=ck, cut=17)
     files = sorted((tmp_path/'ck').glob('ckpt-*.rank1.pt'))
     newest = files[-1]; newest.unlink()
@@ -328,7 +328,7 @@ def test_fsdp2_resumed_on_another_number_of_processes_is_the_same_run(tmp_path, 
     (`sharded_checkpoint`), read on `new` processes in their own layout (on 1: whole tensors, no process group); the
     windows before and after are the uninterrupted 1-process run's, sample for sample, the weights equal to 1e-6"""
     k = 32//(old*4)
-    ck = (str(tmp_path/'ck'), dict(every=1))
+    ck = (str(tmp_path/'ck'), dict(every=(1, '1ep')))
     cut = _per_rank(old, _run_fsdp(old, ckpt=ck, cut=4*k + 1, adam=True))
     assert all(r['cut'] for r in cut) and sorted(p.name for p in (tmp_path/'ck').glob('*.dcp')) == ['ckpt-000003.dcp', 'ckpt-000004.dcp']
     before = _global([r['windows'] for r in cut])
@@ -342,11 +342,11 @@ def test_fsdp2_resumed_on_another_number_of_processes_is_the_same_run(tmp_path, 
 def test_a_whole_checkpoint_is_refused_under_fsdp2_and_a_damaged_dcp_folder_passed_over(tmp_path, one_adam):
     """A DDP run's checkpoint (whole tensors) resumed under FSDP2 is refused naming the way; a DCP folder whose shard is
     damaged is passed over for the checkpoint before it, and the run is still the same"""
-    ck = (str(tmp_path/'ddp'), dict(every=1))
+    ck = (str(tmp_path/'ddp'), dict(every=(1, '1ep')))
     launch_gloo(W.train, world=2, kwargs=dict(ckpt=ck, cut=9, adam=True), timeout=180)
     with pytest.raises(RuntimeError, match=r"CheckpointError.*\n?.*holds whole tensors .* under FSDP2: resume it on 2 process\(es\) under DDP"):
         launch_gloo(W.train, world=2, kwargs=dict(ckpt=ck, fsdp=True, adam=True), timeout=180)
-    ck = (str(tmp_path/'fsdp'), dict(every=1))
+    ck = (str(tmp_path/'fsdp'), dict(every=(1, '1ep')))
     launch_gloo(W.train, world=2, kwargs=dict(ckpt=ck, cut=9, fsdp=True, adam=True), timeout=180)
     assert sorted(p.name for p in (tmp_path/'fsdp').glob('*.dcp')) == ['ckpt-000001.dcp', 'ckpt-000002.dcp']
     f = tmp_path/'fsdp'/'ckpt-000002.dcp'/'__1_0.distcp'

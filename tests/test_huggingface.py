@@ -189,9 +189,9 @@ def test_resumed_bitwise(tmp_path):
         def after_batch(self):
             if self.training and self.epoch == 1 and self.iter == 1: raise KeyboardInterrupt
     set_seed(0); ref = stepped(learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3)], shuffle=True), 2)
-    set_seed(0); cut = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3), Checkpoint(tmp_path, batches=1), Stop()], shuffle=True)
+    set_seed(0); cut = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3), Checkpoint(tmp_path, every=('1ep', '1ba')), Stop()], shuffle=True)
     with pytest.raises(KeyboardInterrupt): stepped(cut, 2)
-    set_seed(0); again = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3), cb := Checkpoint(tmp_path, batches=1)], shuffle=True)
+    set_seed(0); again = learner('gpt2', 'dict_own', 4, [GradientAccumulation(n_step=3), cb := Checkpoint(tmp_path, every=('1ep', '1ba'))], shuffle=True)
     stepped(again, 2)
     assert cb.resumed_from is not None
     assert torch.equal(torch.cat([p.reshape(-1) for p in again.model.parameters()]), ref[-1])

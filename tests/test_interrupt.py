@@ -38,7 +38,7 @@ CONFIGS = {
     'freeze': lambda: [GradientAccumulation(n_step=2), BatchNormAccumulation('freeze')],
     'auto': lambda: [GradientAccumulation(n_step=2), MicroBatching('auto')],
     'noise': lambda: [GradientAccumulation(n_step=2), GradientNoiseScale()],
-    'checkpoint': lambda: [GradientAccumulation(n_step=2), Checkpoint('ck', batches=2)],
+    'checkpoint': lambda: [GradientAccumulation(n_step=2), Checkpoint('ck', every=('1ep', '2ba'))],
 }
 
 def _snapshot(learn):
@@ -80,7 +80,7 @@ def test_summary_lr_find_and_show_results_with_every_callback_on(tmp_path, ga):
     """`micro_bs`: its `MicroBatching` left the Learner for good in `summary()` (its `GradientAccumulation` was taken off
     for the pass, which made it an orphan)"""
     import fastai.callback.schedule, fastai.callback.hook   # (lr_find, summary)
-    cbs = [*accumulation(**ga), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', batches=2)]
+    cbs = [*accumulation(**ga), BatchNormAccumulation('pool'), GradientNoiseScale(), Checkpoint('ck', every=('1ep', '2ba'))]
     learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path, cbs=cbs)
     before = _snapshot(learn)
     learn.summary()   # (fastai's summary takes the `_only_train_loop` callbacks off and adds them back at the end)
@@ -158,7 +158,7 @@ def test_a_refused_resume_leaves_everything_as_before(tmp_path):
         def after_batch(self):
             if self.training and self.iter == 3: raise RuntimeError('cut')
     learn = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path,
-                    cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), Checkpoint('ck', batches=1), Boom()])
+                    cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), Checkpoint('ck', every=('1ep', '1ba')), Boom()])
     with learn.no_logging(), pytest.raises(RuntimeError, match='cut'): learn.fit(1)
     again = Learner(make_dls(_data(), 4), _model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path,
                     cbs=[GradientAccumulation(n_step=4), MicroBatching('auto'), BatchNormAccumulation('pool'), Checkpoint('ck')])

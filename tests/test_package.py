@@ -279,3 +279,16 @@ def test_no_private_name_is_imported_across_the_packages_modules():
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or '').startswith('accum_callback')):
                 found += [f'{path.relative_to(PKG)}:{node.lineno} {a.name}' for a in node.names if a.name.startswith('_') and not a.name.startswith('__')]
     assert not found, found
+
+def test_the_training_loader_wrappers_are_read_by_their_protocol_only():
+    """The loaders the package puts over fastai's (`ReadAhead`, `MicroBatches`) declare one protocol
+    (`core.loaders.FeedLoader`: `feed_of`, `piece_of`, `is_last_batch`, `inner_loader`): outside core/loaders.py nothing
+    guesses at them with `getattr(learn.dl, ...)`"""
+    import re
+    from accum_callback.core.loaders import FeedLoader, ReadAhead
+    from accum_callback.micro.loader import MicroBatches
+    assert issubclass(ReadAhead, FeedLoader) and issubclass(MicroBatches, FeedLoader)
+    guess = re.compile(r"(getattr|hasattr)\((self\.)?learn\.dl\b")
+    bad = [f"{p.relative_to(PKG)}:{i}" for p in sorted(PKG.rglob('*.py')) if p != PKG/'core'/'loaders.py'
+           for i,line in enumerate(p.read_text().splitlines(), 1) if guess.search(line)]
+    assert not bad, bad

@@ -71,7 +71,7 @@ class RaiseAt:
 def _data(n=40): x,y = make_data(n, seed=4).tensors; return TensorDataset(x, y)
 
 def _interrupted(tmp_path, **kw):
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', batches=2), RaiseAt(7)], **kw)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', every=('1ep', '2ba')), RaiseAt(7)], **kw)
     with learn.no_bar(), learn.no_logging(), pytest.raises(Boom): learn.fit(2)
     return tmp_path/'ck'
 
@@ -131,7 +131,7 @@ def test_a_finished_fit_is_not_run_again_and_a_fresh_start_is_asked_for(tmp_path
     assert fresh.gradient_accumulation.steps == 10 and not all(torch.equal(a, b) for a,b in zip(w, fresh.model.parameters()))
 
 def test_bad_arguments_are_named():
-    for kw,name in ((dict(every=0), 'every'), (dict(minutes=-1), 'minutes'), (dict(keep=0), 'keep'), (dict(batches=1.5), 'batches')):
+    for kw,name in ((dict(every=0), 'every'), (dict(every='-1min'), 'every'), (dict(keep=0), 'keep'), (dict(every='1.5ba'), 'every')):
         with pytest.raises((ValueError, TypeError), match=name): Checkpoint(**kw)
 
 # -- the job: SIGTERM, then --resume -----------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_the_packages_checkpoints_load_with_weights_only(tmp_path, meth):
     import fastai.callback.schedule   # (fit_one_cycle)
     from accum_callback import GradientNoiseScale
     learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), GradientNoiseScale(), EarlyStoppingCallback(patience=9),
-                                          SaveModelCallback(fname=str(tmp_path/'best')), Checkpoint(tmp_path/'ck', batches=3, keep=50)])
+                                          SaveModelCallback(fname=str(tmp_path/'best')), Checkpoint(tmp_path/'ck', every=('1ep', '3ba'), keep=50)])
     with learn.no_logging(): getattr(learn, meth)(2)
     files = sorted((tmp_path/'ck').glob('ckpt-*.pt'))
     assert len(files) >= 5
@@ -239,7 +239,7 @@ def test_a_learner_with_a_checkpoint_exports_copies_and_pickles(tmp_path):
     x,y = _data().tensors
     dls = Datasets(list(range(40)), tfms=[[x.__getitem__], [y.__getitem__]], splits=[list(range(32)), list(range(32, 40))]).dataloaders(bs=4)
     learn = Learner(dls, MLP(), loss_func=torch.nn.functional.mse_loss, path=tmp_path,
-                    cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', batches=3)])
+                    cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck', every=('1ep', '3ba'))])
     with learn.no_logging(): learn.fit(1)
     learn.export('exported.pkl')
     for other in (load_learner(tmp_path/'exported.pkl'), copy.deepcopy(learn), pickle.loads(pickle.dumps(learn))):
@@ -262,11 +262,11 @@ def test_one_writer_thread_a_fit_ended_with_it_whatever_ends_it(tmp_path):
             seen.append(writers())
             if self.iter == 5: assert pickle.loads(pickle.dumps(self.learn.checkpoint._writer)).wait() == (None, None)
     before = writers()
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', batches=1), Watch()])
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', every=('1ep', '1ba')), Watch()])
     with learn.no_logging(): learn.fit(2)
     assert len(cb.saved) >= 20 and len(set.union(*seen) - before) == 1 and writers() == before
     seen.clear()
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck2', batches=1), Watch(), RaiseAt(7)])
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ck2', every=('1ep', '1ba')), Watch(), RaiseAt(7)])
     with learn.no_logging(), pytest.raises(Boom): learn.fit(2)
     assert len(set.union(*seen) - before) == 1 and writers() == before
 
@@ -281,10 +281,10 @@ def test_resumed_past_the_first_epoch_with_the_progress_bar_csvlogger_and_showgr
     import fastai.callback.schedule
     ref = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ref_ck'))
     ref.path = tmp_path/'ref'; ref.path.mkdir(); ref.fit_one_cycle(3, 0.05)   # (fastai's default callbacks on: the progress bar)
-    learn = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ck', batches=2) + [RaiseAt(cut)])
+    learn = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ck', every=('1ep', '2ba')) + [RaiseAt(cut)])
     learn.path = tmp_path/'cut'; learn.path.mkdir()
     with pytest.raises(Boom): learn.fit_one_cycle(3, 0.05)
-    again = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ck', batches=2))
+    again = make_learner(_data(), 4, cbs=_plain_cbs(tmp_path/'ck', every=('1ep', '2ba')))
     again.path = tmp_path/'cut'
     again.fit_one_cycle(3, 0.05)
     assert next(c for c in again.cbs if isinstance(c, Checkpoint)).resumed_from is not None
@@ -315,13 +315,13 @@ def test_another_learning_rate_after_a_kill_is_refused(tmp_path):
 def test_a_path_that_is_a_file_or_unwritable_is_refused_when_the_fit_starts(tmp_path, monkeypatch):
     import accum_callback.core.files as F
     (tmp_path/'afile').write_text('x')
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'afile', minutes=10)])
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'afile', every='10min')])
     w = [p.detach().clone() for p in learn.model.parameters()]
     with learn.no_logging(), pytest.raises(ValueError, match=r"Checkpoint: `path` .*afile is a file, not a folder"): learn.fit(1)
     assert all(torch.equal(a, b) for a,b in zip(w, learn.model.parameters()))   # nothing trained
     def denied(*a, **k): raise PermissionError(13, 'Permission denied')
     monkeypatch.setattr(F.tempfile, 'mkstemp', denied)   # (the tests run as root, for whom chmod denies nothing)
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ro', minutes=10)])
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(tmp_path/'ro', every='10min')])
     with learn.no_logging(), pytest.raises(ValueError, match=r"cannot write in `path` .*ro \(PermissionError"): learn.fit(1)
 
 def test_a_write_that_fails_mid_fit_warns_and_training_goes_on(tmp_path, monkeypatch):
@@ -339,7 +339,7 @@ def test_a_write_that_fails_mid_fit_warns_and_training_goes_on(tmp_path, monkeyp
     monkeypatch.setattr(C, 'atomic_write', full_disk)
     ref = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2)])
     with ref.no_logging(): ref.fit(2)
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', batches=3, keep=20)])
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', every=('1ep', '3ba'), keep=20)])
     with learn.no_logging(), pytest.warns(UserWarning, match=r'could not write .*ckpt-000002.* \(OSError: .*no room\); training goes on, the last good checkpoint is .*ckpt-000001'):
         learn.fit(2)
     assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), learn.model.parameters()))   # the fit went on, unchanged
@@ -356,11 +356,11 @@ def test_checkpoint_alone_resumes_mid_epoch_bitwise(tmp_path, cut):
     set_seed(0)   # (a shuffled fastai loader seeds its order from the global `random` when it is made)
     ref = make_learner(_data(), 4, cbs=[Checkpoint(tmp_path/'ref')], shuffle=True)
     ref.fit_one_cycle(2, 0.05)
-    set_seed(0); learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', batches=3), RaiseAt(cut)], shuffle=True)
+    set_seed(0); learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', every=('1ep', '3ba')), RaiseAt(cut)], shuffle=True)
     with pytest.raises(Boom): learn.fit_one_cycle(2, 0.05)
     newest = sorted((tmp_path/'ck').glob('ckpt-*.pt'))[-1]
     assert read_checkpoint(newest)['where'] == 'mid'
-    set_seed(0); again = make_learner(_data(), 4, cbs=[cb2 := Checkpoint(tmp_path/'ck', batches=3)], shuffle=True)
+    set_seed(0); again = make_learner(_data(), 4, cbs=[cb2 := Checkpoint(tmp_path/'ck', every=('1ep', '3ba'))], shuffle=True)
     again.fit_one_cycle(2, 0.05)
     assert cb2.resumed_from == newest
     assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
@@ -368,7 +368,7 @@ def test_checkpoint_alone_resumes_mid_epoch_bitwise(tmp_path, cut):
 
 def test_checkpoint_alone_every_optimizer_step(tmp_path):
     "Without GradientAccumulation, `every` counts fastai's own optimizer steps (it counted none: epoch ends only)"
-    learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', every=3, epoch_end=False, keep=50)])
+    learn = make_learner(_data(), 4, cbs=[cb := Checkpoint(tmp_path/'ck', every='3st', keep=50)])
     with learn.no_logging(): learn.fit(1)   # 10 steps: a checkpoint after steps 3, 6, 9, and the one at the fit's end
     assert [read_checkpoint(f)['opt_steps'] for f in sorted((tmp_path/'ck').glob('ckpt-*.pt'))] == [3, 6, 9, 10]
 
@@ -398,9 +398,9 @@ def _random_learner(cbs, workers:int):
                    ).dataloaders(bs=4, shuffle=True, num_workers=workers, after_batch=[_noisy, RandAdd(0.7)])
     return Learner(dls, MLP(), loss_func=torch.nn.functional.mse_loss, cbs=cbs)
 
-def _cut_and_resumed(make, fit, tmp_path, cut:int, batches:int, quiet:bool=True):
+def _cut_and_resumed(make, fit, tmp_path, cut:int, every, quiet:bool=True):
     """A Learner `make(cbs)` fitted by `fit(learn)` (`quiet`: without fastai's logging; a `Boom` swallowed) uninterrupted,
-    then cut at loader batch `cut` with checkpoints every `batches`, then again: it resumed, to the uninterrupted weights
+    then cut at loader batch `cut` with checkpoints as `every` says, then again: it resumed, to the uninterrupted weights
     bitwise. `(ref, resumed)`"""
     def run(cbs):
         learn = make(cbs)
@@ -409,8 +409,8 @@ def _cut_and_resumed(make, fit, tmp_path, cut:int, batches:int, quiet:bool=True)
             except Boom: pass
         return learn
     ref = run([Checkpoint(tmp_path/'ref')])
-    run([Checkpoint(tmp_path/'ck', batches=batches), RaiseAt(cut)])
-    again = run([cb := Checkpoint(tmp_path/'ck', batches=batches)])
+    run([Checkpoint(tmp_path/'ck', every=every), RaiseAt(cut)])
+    again = run([cb := Checkpoint(tmp_path/'ck', every=every)])
     assert cb.resumed_from is not None
     assert all(torch.equal(a, b) for a,b in zip(ref.model.parameters(), again.model.parameters()))
     return ref,again
@@ -423,7 +423,7 @@ def test_random_transforms_resume_bitwise(tmp_path, workers, ga, cut):
     import fastai.callback.schedule
     acc = [GradientAccumulation] if ga else []
     ref,again = _cut_and_resumed(lambda cbs: _random_learner([c(n_step=2) for c in acc] + cbs, workers),
-                                 lambda learn: learn.fit_one_cycle(3, 0.05), tmp_path, cut, batches=3)
+                                 lambda learn: learn.fit_one_cycle(3, 0.05), tmp_path, cut, every='3ba')
     assert again.recorder.losses == ref.recorder.losses
 
 def _tfmd_dl_learner(cbs, workers:int):
@@ -451,7 +451,7 @@ def test_random_transforms_beside_dropout_resume_bitwise(tmp_path, workers, cut)
     uninterrupted run did at its first batch, the resumed one did after its RNGs were put back (every later draw shifted,
     weights 0.02-0.04 apart). The same batches and weights, bitwise"""
     ref,again = _cut_and_resumed(lambda cbs: _tfmd_dl_learner([GradientAccumulation(n_step=2)] + cbs, workers),
-                                 lambda learn: learn.fit(3, 0.05), tmp_path, cut, batches=1)
+                                 lambda learn: learn.fit(3, 0.05), tmp_path, cut, every=('1ep', '1ba'))
     assert again.recorder.losses == ref.recorder.losses
 
 @pytest.mark.parametrize('cut,micro_bs', [(7, None), (95, None), (7, 3), (6, 1)])   # in the first and the second epoch (80 batches each)
@@ -469,7 +469,7 @@ def test_language_model_resumes_bitwise(tmp_path, cut, micro_bs):
         torch.manual_seed(0)
         return language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, **apps.AWD),
                                       drop_mult=0.5, lr=0.05, cbs=[*accumulation(n_step=2, micro_bs=micro_bs)] + cbs)
-    _cut_and_resumed(make, lambda learn: learn.fit(2), tmp_path, cut, batches=1)
+    _cut_and_resumed(make, lambda learn: learn.fit(2), tmp_path, cut, every=('1ep', '1ba'))
 
 # -- state as a protocol (issue 51) ------------------------------------------------------------------------------------------
 class _Counting:
@@ -488,12 +488,12 @@ class _Counting:
 def test_a_users_callback_state_is_saved_and_restored_by_its_protocol(tmp_path):
     ref = make_learner(_data(), 4, cbs=[c0 := _Counting()])
     with ref.no_logging(): ref.fit(2)
-    learn = make_learner(_data(), 4, cbs=[_Counting(), Checkpoint(tmp_path/'ck', batches=3), RaiseAt(13)])
+    learn = make_learner(_data(), 4, cbs=[_Counting(), Checkpoint(tmp_path/'ck', every=('1ep', '3ba')), RaiseAt(13)])
     with learn.no_logging(), pytest.raises(Boom): learn.fit(2)
-    again = make_learner(_data(), 4, cbs=[c := _Counting(), Checkpoint(tmp_path/'ck', batches=3)])
+    again = make_learner(_data(), 4, cbs=[c := _Counting(), Checkpoint(tmp_path/'ck', every=('1ep', '3ba'))])
     with again.no_logging(): again.fit(2)
     assert (c.n, float(c.total)) == (c0.n, float(c0.total)) == (20, float(c0.total))
-    bad = make_learner(_data(), 4, cbs=[_Counting(bad=True), Checkpoint(tmp_path/'bad', batches=3)])
+    bad = make_learner(_data(), 4, cbs=[_Counting(bad=True), Checkpoint(tmp_path/'bad', every=('1ep', '3ba'))])
     w = [p.detach().clone() for p in bad.model.parameters()]
     with bad.no_logging(), pytest.raises(CheckpointError, match=r"\['callbacks'\]\['counting'\]\['what'\] holds a builtins.object"):
         bad.fit(1)   # refused when the fit starts: nothing trained
@@ -569,6 +569,6 @@ def test_resumed_with_fastais_callbacks(tmp_path, extra):
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
         return make_learner(_data(), 4, model=model, shuffle=True,
                             cbs=[GradientAccumulation(n_step=2), BatchNormAccumulation('pool'), make()] + cbs)
-    ref,again = _cut_and_resumed(learner, lambda learn: learn.fit(3, 0.05), tmp_path, 11, batches=2, quiet=False)
+    ref,again = _cut_and_resumed(learner, lambda learn: learn.fit(3, 0.05), tmp_path, 11, every=('1ep', '2ba'), quiet=False)
     assert all(torch.equal(a, b) for a,b in zip(ref.model.state_dict().values(), again.model.state_dict().values()))
     assert again.opt.hypers[0]['lr'] == ref.opt.hypers[0]['lr']

@@ -19,8 +19,8 @@ TAG = '__accum_callback__'
 def _data(): return make_data(40, seed=4)
 
 def _interrupted(folder:Path):
-    "Two checkpoints of a fit cut at its 7th batch (`batches=2`, `keep=2`)"
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(folder, batches=2), RaiseAt(7)])
+    "Two checkpoints of a fit cut at its 7th batch (`every=('1ep', '2ba')`, `keep=2`)"
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), Checkpoint(folder, every=('1ep', '2ba')), RaiseAt(7)])
     with learn.no_bar(), learn.no_logging(), pytest.raises(Boom): learn.fit(2)
     files = sorted(folder.glob('ckpt-*.rank0.pt'))
     assert len(files) == 2
@@ -232,7 +232,7 @@ def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning_and_training_goes
         if self.name.startswith('ckpt-'): raise PermissionError(1, 'Operation not permitted', str(self))
         return real(self, *a, **k)
     monkeypatch.setattr(Path, 'unlink', stuck)
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', batches=2)])
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2), cb := Checkpoint(tmp_path/'ck', every=('1ep', '2ba'))])
     with pytest.warns(UserWarning, match='could not remove the old checkpoint.*PermissionError.*training goes on'):
         with learn.no_bar(), learn.no_logging(): learn.fit(2)
     assert learn.gradient_accumulation.steps == 10 and len(cb.saved) > 2
@@ -283,12 +283,12 @@ class StopButton(Callback):
             if self.k == self.at: raise Boom('the stop button')
 
 def _notebook(folder:Path, cut_at:int|None=None):
-    """The cells: fit_one_cycle(1) -> lr_find -> fit_one_cycle(2, valley), `Checkpoint(batches=1)`, on a fresh Learner
+    """The cells: fit_one_cycle(1) -> lr_find -> fit_one_cycle(2, valley), `Checkpoint(every=('1ep', '1ba'))`, on a fresh Learner
     (a kernel restart); `cut_at`: the stop button at that training batch of the session. Returns what each cell left"""
     from fastai.callback.schedule import valley
     from fastai.torch_core import set_seed
     set_seed(0)
-    cbs = [GradientAccumulation(n_step=3), Checkpoint(folder, batches=1)] + ([StopButton(cut_at)] if cut_at else [])
+    cbs = [GradientAccumulation(n_step=3), Checkpoint(folder, every=('1ep', '1ba'))] + ([StopButton(cut_at)] if cut_at else [])
     learn = make_learner(_data(), 4, cbs=cbs, shuffle=True)
     out = {}
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
@@ -323,7 +323,7 @@ def test_batch_renorm_resumes_its_ramp_bitwise(tmp_path, kw):
     def run(folder, cut=None):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-        cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation(Renorm(**kw)), Checkpoint(folder, batches=1)]
+        cbs = [GradientAccumulation(n_step=2), BatchNormAccumulation(Renorm(**kw)), Checkpoint(folder, every=('1ep', '1ba'))]
         learn = make_learner(_data(), 4, model=model, cbs=cbs + ([RaiseAt(cut)] if cut else []))
         with learn.no_bar(), learn.no_logging():
             try: learn.fit(2, 0.05)
@@ -343,12 +343,12 @@ CELLS = st.lists(st.tuples(st.sampled_from(['fit', 'fit_one_cycle', 'fit_flat_co
 
 def _session(folder:Path, cells, stop_at:int|None=None):
     """Run the notebook `cells` (a fit of each kind and epochs, then maybe `lr_find`/`validate`/a freeze) on a fresh
-    Learner with `Checkpoint(batches=1)`; `stop_at`: the stop button at that training batch of the fits. Returns each
+    Learner with `Checkpoint(every=('1ep', '1ba'))`; `stop_at`: the stop button at that training batch of the fits. Returns each
     fit's end weights and the cut, if any"""
     from fastai.callback.schedule import valley
     from fastai.torch_core import set_seed
     set_seed(0)
-    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=3), Checkpoint(folder, batches=1), StopButton(stop_at)], shuffle=True)
+    learn = make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=3), Checkpoint(folder, every=('1ep', '1ba')), StopButton(stop_at)], shuffle=True)
     ends,lr = [],0.05
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')

@@ -41,10 +41,10 @@ def _cut_and_resumed(tmp_path, opt_func, meth='fit', cut=7, ga=None):
     mk = lambda cbs: make_learner(_data(), 4, cbs=[GradientAccumulation(**(ga or dict(n_step=2)))] + cbs,
                                   opt_func=opt_func, lr=1e-2)
     ref = _fit(mk([]), meth)
-    _fit(mk([Checkpoint(tmp_path/'ck', batches=3), RaiseAt(cut)]), meth)
+    _fit(mk([Checkpoint(tmp_path/'ck', every=('1ep', '3ba')), RaiseAt(cut)]), meth)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter('always')
-        again = _fit(mk([cb := Checkpoint(tmp_path/'ck', batches=3)]), meth)
+        again = _fit(mk([cb := Checkpoint(tmp_path/'ck', every=('1ep', '3ba'))]), meth)
     said = [str(w.message) for w in said]
     return ref,again,cb,[m for m in said if 'Checkpoint' in m and 'finished before' not in m]
 
@@ -73,7 +73,7 @@ def test_another_optimizer_is_passed_over_with_one_warning(tmp_path):
     passed over with one warning naming the optimizer, nothing applied (the fit trains as a fresh one does)"""
     import shutil
     mk = lambda opt, cbs: make_learner(_data(), 4, cbs=[GradientAccumulation(n_step=2)] + cbs, opt_func=opt, lr=1e-2)
-    _fit(mk(OPTS['torch-SGD'], [Checkpoint(tmp_path/'ck', batches=3), RaiseAt(7)]), 'fit')
+    _fit(mk(OPTS['torch-SGD'], [Checkpoint(tmp_path/'ck', every=('1ep', '3ba')), RaiseAt(7)]), 'fit')
     files = sorted((tmp_path/'ck').glob('ckpt-*.pt'))
     assert files
     for other in ('torch-Adam', 'fastai-SGD-mom'):
@@ -81,7 +81,7 @@ def test_another_optimizer_is_passed_over_with_one_warning(tmp_path):
         fresh = _fit(mk(OPTS[other], []), 'fit')
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter('always')
-            again = _fit(mk(OPTS[other], [cb := Checkpoint(tmp_path/other, batches=3)]), 'fit')
+            again = _fit(mk(OPTS[other], [cb := Checkpoint(tmp_path/other, every=('1ep', '3ba'))]), 'fit')
         msgs = [str(w.message) for w in said if 'passed over' in str(w.message)]
         assert cb.resumed_from is None and len(msgs) == len(files), [str(w.message) for w in said]
         assert all("optimizer's" in m for m in msgs), msgs

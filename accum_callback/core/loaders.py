@@ -10,7 +10,8 @@ import torch
 
 from ..compat.fastai import copy_loader, torch_loader
 
-__all__ = ['Feed', 'ReadAhead', 'with_last', 'can_skip', 'batch_sizes', 'model_device', 'own_loader']
+__all__ = ['Feed', 'FeedLoader', 'ReadAhead', 'feed_of', 'piece_of', 'is_last_batch', 'inner_loader', 'with_last', 'can_skip',
+           'batch_sizes', 'model_device', 'own_loader']
 
 def batch_sizes(dl)->list:
     """The loader's batch sizes in an epoch, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each. fastai's
@@ -85,12 +86,31 @@ def with_last(it):
         cur = nxt
     yield cur,True
 
-class ReadAhead:
+class FeedLoader:
+    """The protocol of the loaders the package puts over the training loader (`ReadAhead`, `MicroBatches`), read only
+    through `feed_of`, `piece_of`, `is_last_batch` and `inner_loader`: `dl`, the loader it reads; `feed`, the place of
+    the batches fetched (`Feed`); `piece`, the piece of a loader batch being run (None: its batches run whole); `last`,
+    whether the batch being run is the epoch's last (where its batches run whole)"""
+    piece,last = None,False
+    def __init__(self, dl): self.dl,self.feed = dl,Feed()
+
+def feed_of(dl)->Feed|None: "The place of `dl`'s batches fetched (`Feed`), where the package's loader runs it, else None"; return dl.feed if isinstance(dl, FeedLoader) else None
+def piece_of(dl): "The piece of a loader batch `dl` runs (`MicroBatches`), else None (its batches run whole)"; return dl.piece if isinstance(dl, FeedLoader) else None
+
+def is_last_batch(dl)->bool|None:
+    "Is the loader batch being run the epoch's last (its piece's, where `dl` cuts it)? None for a loader not the package's"
+    if not isinstance(dl, FeedLoader): return None
+    return dl.piece.last_batch if dl.piece is not None else dl.last
+
+def inner_loader(dl):
+    "The loader `dl` reads: the package's (`FeedLoader`) or fastai's `DistributedDL`'s, one level down, else `dl`"
+    return dl.dl if isinstance(dl, FeedLoader) else dl.__dict__.get('dl', dl)
+
+class ReadAhead(FeedLoader):
     """The training loader read one batch ahead, so that `last` tells whether the batch being run is the epoch's last
     (fastai's loop knows only `len`, which a loader such as `DistributedDL`, a custom sampler or an iterable dataset can
     overstate). Everything else is the real loader's. It holds one more batch than fastai does"""
     piece = None   # (its batches run whole: `MicroBatching`'s loader says which piece runs; not the real loader's, if it has one)
-    def __init__(self, dl): self.dl,self.last,self.feed = dl,False,Feed()
     def __getattr__(self, k):
         if k in ('dl', 'feed'): raise AttributeError(k)
         return getattr(self.dl, k)

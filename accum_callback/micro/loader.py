@@ -8,7 +8,7 @@ from fastai.torch_core import find_bs, to_device
 
 from ..core.batches import prepare_batch
 from ..core.distributed import is_distributed
-from ..core.loaders import Feed, ReadAhead, batch_sizes, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
+from ..core.loaders import FeedLoader, ReadAhead, batch_sizes, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
 __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',
@@ -40,13 +40,13 @@ class Piece:
     last_piece: bool = False
     last_batch: bool = False
 
-class MicroBatches:
+class MicroBatches(FeedLoader):
     """The training loader with each of its batches cut into `ceil(n / size)` near-equal micro-batches (none larger than
     the size in force, none needlessly small: a BatchNorm layer cannot train on one item). Everything else is the real
     loader's (`bs`, `device`, `dataset`, ...). After an out-of-memory error `retry` makes it cut the same samples again,
     at the size in force then. `mb` is the `MicroBatching` callback: its `size`, `rows`, `batch_started`/`batch_done`."""
     def __init__(self, dl, mb):
-        self.dl,self.mb,self.feed = dl,mb,Feed()
+        super().__init__(dl); self.mb = mb
         self.piece,self.batch_index,self.retry,self._nom = Piece(),-1,False,None
     def __getattr__(self, k):
         if k in ('dl', 'mb', 'feed'): raise AttributeError(k)

@@ -12,7 +12,7 @@ schedules' values; a user's) and fastai's trackers' (`EarlyStopping`, `SaveModel
 value and patience). Written atomically (`files.atomic_write`) with a
 CRC-32 of the contents: a checkpoint cut at any byte, truncated or damaged is never loaded, the one before it is."""
 from __future__ import annotations
-import signal, time, warnings
+import signal, warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,14 +21,15 @@ from fastai.callback.schedule import LRFinder
 
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
 from ..core.protocols import CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard, window_owner
-from ..core.loaders import ReadAhead, can_skip
+from ..core.loaders import ReadAhead, can_skip, feed_of, inner_loader, is_last_batch, piece_of
 from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, write_checkpoint)                                                               # _MAGIC, read_...)
-from .fit_place import FitPlace, inner_loader
+from .fit_place import FitPlace
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
 from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
 from ..core.files import Background, serials, keep_copy, new_file_perms, remove_old, remove_stale_parts, writable_folder
 from ..core.args import whole_number
+from .cadence import MOVED, Cadence
 _write,_MAGIC = write_checkpoint,MAGIC   # (the name bench/checkpoint_cost.py times; the magic's name before 0.3)
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
@@ -38,37 +39,37 @@ _OWN_RUN = ("a run of its own (another seed, a sweep) needs a folder of its own:
             "Checkpoint(resume=False) trains it again here")
 
 class Checkpoint(Callback):
-    """Save the fit every `every` optimizer steps, every `minutes`, at epoch ends (`epoch_end`) and when the process is
-    asked to stop (SIGTERM, SIGINT: saved at the next micro-batch's end, then the fit stops: `KeyboardInterrupt`, or for
-    SIGTERM `SystemExit(143)`); `batches`: every that many loader batches (mid-window). Keeps the last `keep` in `path`
-    (relative: under `learn.path`). Run the same fit again and it resumes from the newest good checkpoint (`resume`),
-    a finished fit's epochs are not run again; a checkpoint of another fit (window size, loader, world size, model) is
-    refused naming what changed (`strict=False` accepts all but a model of other shapes)."""
+    """Save the fit as `every` says (`'1ep'`: each epoch's end; `'3ba'`: every 3 loader batches, mid-window; `'30min'`;
+    `'100st'` or 100: every 100 optimizer steps; a tuple: each, e.g. `('1ep', '30min')`; None: only on the signals) and
+    when the process is asked to stop (SIGTERM, SIGINT: saved at the next micro-batch's end, then the fit stops:
+    `KeyboardInterrupt`, or for SIGTERM `SystemExit(143)`). Keeps the last `keep` in `path` (relative: under
+    `learn.path`). Run the same fit again and it resumes from the newest good checkpoint (`resume`), a finished fit's
+    epochs are not run again; a checkpoint of another fit (window size, loader, world size, model) is refused naming
+    what changed (`strict=False` accepts all but a model of other shapes)."""
     order,run_valid,_only_train_loop = 95,True,True   # after the Recorder (50) and the progress bar (60): their batch is done when we save; not in summary()'s pass
 
     def __init__(self,
         path='checkpoints', # folder of the checkpoints (under `learn.path` if relative); one per fit run
-        every:int|None=None, # optimizer steps between two checkpoints
-        minutes:float|None=None, # minutes between two checkpoints (checked at micro-batches' ends)
-        batches:int|None=None, # loader batches between two checkpoints (mid-window ones included)
-        epoch_end:bool=True, # a checkpoint at each epoch's end
-        signals:bool|tuple=True, # SIGTERM/SIGINT: checkpoint at the next micro-batch's end, then stop (or a tuple of names, e.g. ('SIGTERM',))
+        every:int|str|tuple|None='1ep', # when: '<n>ep' (epochs' ends), '<n>ba' (loader batches), '<n>min', '<n>st' or an int (optimizer steps), a tuple of these; None: only on the signals
         keep:int=2, # checkpoints kept (the newest); at least 1
         resume:bool=True, # resume from the newest good checkpoint in `path` when there is one
         strict:bool=True, # refuse a checkpoint of another fit (False: accept what can be loaded, said in a warning)
+        signals:bool|tuple=True, # SIGTERM/SIGINT: checkpoint at the next micro-batch's end, then stop (or a tuple of names, e.g. ('SIGTERM',))
+        **moved, # (the keywords before 0.3: refused, naming their spelling in `every`)
     ):
-        if every is not None: whole_number(every, 'every')
-        if batches is not None: whole_number(batches, 'batches')
-        if minutes is not None and not (isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes > 0):
-            raise ValueError(f"`minutes` must be a number > 0, got {minutes!r}")
+        for k,v in moved.items():
+            raise TypeError(f"Checkpoint: {MOVED[k](v)}" if k in MOVED else f"Checkpoint() got an unexpected keyword argument {k!r}")
+        self.cadence = Cadence(every)
         whole_number(keep, 'keep')
-        self.path,self.every,self.minutes,self.batches,self.epoch_end = path,every,minutes,batches,bool(epoch_end)
         if signals is True: signals = ('SIGTERM', 'SIGINT')
         if not signals: signals = ()
         if not (isinstance(signals, (tuple, list)) and all(s in ('SIGTERM', 'SIGINT') for s in signals)):
             raise ValueError(f"`signals` must be True, False or a tuple of 'SIGTERM'/'SIGINT', got {signals!r}")
-        self.signals,self.keep,self.resume,self.strict = tuple(signals),keep,bool(resume),bool(strict)
+        self.path,self.signals,self.keep,self.resume,self.strict = path,tuple(signals),keep,bool(resume),bool(strict)
         self.n_fit,self.saved,self.resumed_from,self._writer,self.place = 0,[],None,Background(),FitPlace()
+
+    @property
+    def every(self): "`every` as given"; return self.cadence.every
 
     # -- where ----------------------------------------------------------------------------------------------------
     @property
@@ -93,7 +94,8 @@ class Checkpoint(Callback):
         if self._off: return
         refuse_at_fit_start(self.learn)   # (every callback of ours, this one's folder included: before any sets up)
         self.n_fit += 1
-        self._stop,self._exit,self._t0,self._last_steps,self._checked_steps,self._deferred,self._agreed = None,None,time.monotonic(),0,0,False,False
+        self._stop,self._exit,self._checked_steps,self._deferred,self._agreed = None,None,0,False,False
+        self.cadence.start()
         self.place = FitPlace()
         self._opt_steps,self._step_cancelled = 0,False
         self.serial = max(self._serials(), default=0)
@@ -126,7 +128,7 @@ class Checkpoint(Callback):
         if self._off: return
         # the training loader read one batch ahead, with its place kept (`Feed`): `GradientAccumulation`'s or
         # `MicroBatching`'s where they run (ordered before this), else this callback's own, for a Learner without them
-        if getattr(self.learn.dl, 'feed', None) is None: self.learn.dl = ReadAhead(self.learn.dl)
+        if feed_of(self.learn.dl) is None: self.learn.dl = ReadAhead(self.learn.dl)
         self.place.start_epoch(self.learn)
 
     def before_batch(self):
@@ -136,14 +138,14 @@ class Checkpoint(Callback):
     def after_batch(self):
         if self._off or not self.training: return
         learn = self.learn
-        piece = getattr(learn.dl, 'piece', None)   # (`MicroBatching`'s loader: the piece of a loader batch being run)
+        piece = piece_of(learn.dl)   # (`MicroBatching`'s loader: the piece of a loader batch being run)
         if piece is not None and not piece.last_piece: return   # (the pieces of one loader batch: saved after its last)
         self.place.k += 1
-        last = getattr(learn.dl, 'last', None) if piece is None else piece.last_batch
+        last = is_last_batch(learn.dl)
         if last or not (self._due() or self._deferred): return
         ga = self._ga()
         # FSDP2 and a `global_window` run save at the window's end (`world_size.save_waits`)
-        if not can_skip(inner_loader(learn.dl)) or save_waits(ga, learn.model, self.batches is not None and self.place.k % self.batches == 0):
+        if not can_skip(inner_loader(learn.dl)) or save_waits(ga, learn.model, self.cadence.batch_due(self.place.k)):
             self._deferred = True; return   # (a loader of ready-made batches: epoch ends only)
         self._deferred = False
         self._save('mid')
@@ -152,23 +154,20 @@ class Checkpoint(Callback):
     def after_epoch(self):
         if self._off: return
         if self.place.skipped(self.epoch): return self.place.after_skipped_epoch(self.learn)   # (the Recorder appended its row)
-        if self.epoch_end or self._due(end=True): self._save('end'); self._after_save()
+        if self.cadence.epoch_due(self.epoch) or self._due(end=True): self._save('end'); self._after_save()
 
     def _due(self, end:bool=False)->bool:
         "A checkpoint now? Rules every rank reads alike, and under DDP the clock and signals agreed at window ends"
-        due = ((self.every is not None and self._steps() - self._last_steps >= self.every) or
-               (self.batches is not None and self.place.k % self.batches == 0))
-        if not is_distributed(self.learn.model):
-            return due or self._stop is not None or (self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes)
+        due = self.cadence.counted(self._steps(), self.place.k)
+        if not is_distributed(self.learn.model): return due or self._stop is not None or self.cadence.timed()
         if (steps := self._steps()) == self._checked_steps and not end: return due
         self._checked_steps = steps   # (one all-reduce a window, where the step has one anyway)
-        timed = self.minutes is not None and time.monotonic() - self._t0 >= 60*self.minutes
-        signalled,timed = reduce_floats([float(self._stop is not None), float(timed)]); self._agreed = bool(signalled)
+        signalled,timed = reduce_floats([float(self._stop is not None), float(self.cadence.timed())]); self._agreed = bool(signalled)
         if signalled and self._stop is None: self._stop = signal.SIGTERM   # another rank was asked to stop: all stop
         return due or bool(signalled) or bool(timed)
 
     def _after_save(self):
-        self._last_steps,self._t0 = self._steps(),time.monotonic()
+        self.cadence.saved(self._steps())
         if self._stopping():   # asked to stop: the fit ends cleanly (every callback's `after_fit`), then the process
             self._exit,self._stop = self._stop,None; raise CancelFitException()
 
@@ -289,7 +288,7 @@ class Checkpoint(Callback):
         "Put the state back, piece by piece (checked whole before: `_newest`); a mid-epoch place goes on in `before_train`"
         if st.get('sharded'): st = load_sharded(self.folder, st, self.learn.model, self.learn.opt)
         apply_training_state(self.learn, st, self)
-        self._opt_steps = self._last_steps = st.get('opt_steps', 0)
+        self._opt_steps = st.get('opt_steps', 0); self.cadence.start(self._opt_steps)
         self.place.load(self.learn, st)
 
     def _skip_epochs(self, first:int): self.place.skip_epochs(self.learn, first, [cb for _,cb,_,_ in callback_states(self.learn, self)])

@@ -12,12 +12,12 @@ from fastcore.foundation import L
 
 from ..compat.torch import rng_states, set_rng_states
 from ..core.distributed import process_count, unwrap
+from ..core.loaders import feed_of, inner_loader
 from .fit_state import (carried_state, load_carried_state, loader_orders, loader_rngs, restore_recorder, set_loader_orders,
                         set_loader_rngs, settle_loaders)
 
 __all__ = ['FitPlace', 'inner_loader']
 
-def inner_loader(dl): "The loader a read-ahead (`loaders.ReadAhead`) wraps, or `dl`"; return dl.__dict__.get('dl', dl)
 
 class FitPlace:
     """Where a fit is: `k` loader batches done in this epoch; the RNG states and the loader's as the epoch started (its
@@ -38,7 +38,7 @@ class FitPlace:
         """The place as a checkpoint holds it: 'mid' an epoch (its start's RNGs and order, the batch read ahead, what the
         model carries), or at an epoch's or the fit's end"""
         mid,model,train = where == 'mid',unwrap(learn.model),inner_loader(learn.dls.train)
-        feed = getattr(learn.dl, 'feed', None) if mid else None
+        feed = feed_of(learn.dl) if mid else None
         ahead = feed.ahead if feed is not None else None
         return dict(where=where, world=process_count(), epoch=learn.epoch, k=self.k,
                     iter_done=getattr(learn, 'iter', -1) + 1 if mid else 0, rngs=rng_states(),
@@ -64,7 +64,7 @@ class FitPlace:
         set_loader_rngs(inner, st['loader_rngs'])
         set_loader_orders(inner, st.get('loader_orders'))
         self.start_loader_rngs,self.start_orders = st['loader_rngs'],st.get('loader_orders')
-        feed = learn.dl.feed
+        feed = feed_of(learn.dl)
         # the batches done, and the one read ahead (saved: made again, its random transforms would draw again), skipped
         feed.skip = st['k'] + (st['ahead'] is not None)
         if st['ahead'] is not None: feed.first = to_device(st['ahead'], st['ahead_device'])

@@ -31,7 +31,7 @@ def loader_signature(learn, ga)->dict:
 def save_waits(ga, model, batches_due:bool)->bool:
     """Does a checkpoint due now wait for the window's end? Under FSDP2, which holds a window's gradients unsharded
     inside its modules until the window's reduce-scatter; in a `global_window` run, whose window's end is where another
-    number of processes can take it on (signals, `minutes`; `batches=` saves mid-window as asked)"""
+    number of processes can take it on (signals, minutes; `every='<n>ba'` saves mid-window as asked)"""
     if ga is None or not ga.window.is_open: return False
     return is_fsdp(model) or (is_elastic(ga) and not batches_due)
 
