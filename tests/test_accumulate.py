@@ -469,6 +469,7 @@ def test_no_host_synchronisation_in_a_micro_batch_that_does_not_step():
         order = GradientAccumulation.order + 1   # the window knows by now whether this micro-batch closes it
         def before_batch(self): counting[0] = not self.learn.gradient_accumulation.window.closes
     noise = GradientNoiseScale()
+    torch.manual_seed(0)   # the noise scale's windows (more than 2 micro-batches) from these data, whatever ran before
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     with tempfile.TemporaryDirectory() as d:
         learn = make_learner(TensorDataset(torch.randn(96, 4), torch.randint(0, 3, (96,))), 4, model=model, loss_func=nn.CrossEntropyLoss(),

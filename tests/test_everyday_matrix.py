@@ -220,8 +220,8 @@ def test_a_fit_stopped_and_resumed_is_the_uninterrupted_one(folder, tmp_path, op
     def mk(cbs): return learner('from_folder', folder, 'CrossEntropyLossFlat', opt, 4, [GradientAccumulation(n_step=2),
                                                                                           *cbs])
     ref = _fit(mk([]))
-    _fit(mk([Checkpoint(tmp_path/'ck', batches=3), RaiseAt(7)]))
-    again = _fit(mk([cb := Checkpoint(tmp_path/'ck', batches=3)]))
+    _fit(mk([Checkpoint(tmp_path/'ck', every=('1ep', '3ba')), RaiseAt(7)]))
+    again = _fit(mk([cb := Checkpoint(tmp_path/'ck', every=('1ep', '3ba'))]))
     assert cb.resumed_from is not None
     assert torch.equal(weights(ref), weights(again))
     a,b = _opt_tensors(ref),_opt_tensors(again)
