@@ -409,3 +409,54 @@ def fsdp_raise_on_one_rank(rank, world_size, n=64, bs=4, seed=0):
         warnings.simplefilter('ignore')
         with learn.fsdp_ctx(): learn.fit(2, lr=LR)
     return {}
+
+# -- BatchNormAccumulation('window') under DDP (tests/test_bn_window.py) --------------------------------------------
+class WindowSpy(Callback):
+    "Each window's loader batch and the weights at its start; each training micro-batch's predictions"
+    def before_fit(self): self.batches,self.starts,self.preds = [],[],[]
+    def before_batch(self):
+        if not self.training or self.learn.micro_batching.piece.start != 0: return
+        self.batches.append(tuple(t.clone() for t in self.learn.micro_batching.loader.batch))
+        self.starts.append({k: v.clone() for k,v in self.learn.model.module.state_dict().items()})
+        self.preds.append([])
+    def after_loss(self):
+        if self.training: self.preds[-1].append(self.learn.pred.detach().clone())
+
+def bn_window_ranks(rank, world_size, scenarios):
+    """`BatchNormAccumulation(mode)` on test_bn_window's `Net` (float64, 3 BatchNorm layers) under DDP, each rank its
+    shard of `sizes` (rank r's inputs shifted by r: the ranks' statistics differ), loader batches of `bs` cut into
+    micro-batches of `size`; `cut`: (folder, micro-batch) a first fit raising there, checkpointed each batch, then
+    resumed"""
+    from accum_callback import BatchNormAccumulation, Checkpoint, MicroBatching
+    from test_bn_window import Net, Boom, RaiseAt
+    out = {}
+    for name,kw in scenarios.items():
+        try:
+            sizes,bs,size,mode,lr = kw['sizes'],kw['bs'],kw['size'],kw.get('mode', 'window'),kw.get('lr', 0.05)
+            ds = shard(sizes, rank)
+            ds = TensorDataset(ds.tensors[0] + float(rank), ds.tensors[1])
+            def fit(*extra):
+                spy = WindowSpy()
+                cbs = [Float64Run(), GradientAccumulation(n_step=1), MicroBatching(size), BatchNormAccumulation(mode),
+                       spy, *extra]
+                learn = make_learner(ds, bs, cbs=cbs, model=Net().double(), lr=lr)
+                learn.model = DDP(learn.model)
+                with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+                    warnings.simplefilter('ignore'); learn.fit(kw.get('n_epoch', 2), lr=lr)
+                return learn,spy
+            cut = False
+            if 'cut' in kw:
+                d,at = kw['cut']
+                try: fit(Checkpoint(f'{d}/ck', batches=1), RaiseAt(at))
+                except Boom: cut = True
+                dist.barrier()
+                learn,spy = fit(Checkpoint(f'{d}/ck', batches=1))
+            else: learn,spy = fit()
+            m = learn.model.module
+            stats = {k: v.clone() for k,v in m.state_dict().items() if 'running' in k or 'num_batches' in k}
+            out[name] = dict(params=torch.cat([p.detach().reshape(-1) for p in m.parameters()]), stats=stats,
+                             batches=spy.batches, starts=spy.starts, preds=spy.preds,
+                             variant=learn.batch_norm_accumulation.window_variant, cut=cut)
+        except Exception as e: out[name] = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        dist.barrier()
+    return out

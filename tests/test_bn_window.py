@@ -107,6 +107,11 @@ def test_refuses_what_it_cannot_measure():
                          cbs=[GradientAccumulation(n_step=2), MicroBatching(4), BatchNormAccumulation('window')])
     with pytest.raises(ValueError, match='several loader batches'): learn.fit(1)
 
+def test_refuses_syncbatchnorm_naming_plain_batchnorm():
+    from accum_callback.batchnorm.window_stats import window_bn_layers
+    with pytest.raises(ValueError, match='SyncBatchNorm.*plain BatchNorm'):
+        window_bn_layers(nn.Sequential(nn.SyncBatchNorm(4)))
+
 def test_check_says_exact_for_the_exact_variant():
     learn = window_learner(48, 16, 4)
     rep = learn.check_accumulation()
@@ -160,3 +165,77 @@ def test_window_state_round_trip():
     b = WindowStats(bn, exact=True); b.load_state(st); b.on = True
     assert torch.equal(m(x[:4]), out); b.remove()
     assert not torch.equal(m(x[:4]), out)   # (without the window's statistics: the micro-batch's own)
+
+# -- under DDP: the window is every rank's micro-batches, as one large batch of all ranks' samples -------------------
+# 2 (and 3) gloo processes, float64; rank r's inputs shifted by r, so that each rank's own statistics are far from the
+# window's; the oracle: one process, one large batch of every rank's loader batch per step
+DDP_TOL = 1e-10   # relative error of float64 weights and running statistics against the one-process large batch's
+DDP_LR = 0.05
+DDP_RUNS = dict(
+    even    = dict(sizes=[24, 24], bs=8, size=3),
+    uneven  = dict(sizes=[22, 24], bs=8, size=3),   # rank 0's last loader batch: 2 micro-batches, rank 1's: 3
+    approx  = dict(sizes=[24, 24], bs=8, size=3, mode='window-approx'),
+)
+DDP_THREE = dict(sizes=[16, 16, 14], bs=8, size=3)   # 3 ranks: rank 2's last loader batch, 2 micro-batches
+
+@pytest.fixture(scope='module')
+def ddp_runs(tmp_path_factory):
+    import ddp_worker as W
+    from accum_callback.testing import launch_gloo
+    d = tmp_path_factory.mktemp('bn_window_ddp')
+    scen = dict(DDP_RUNS, resume=dict(DDP_RUNS['even'], cut=(str(d), 8)))
+    rs = launch_gloo(W.bn_window_ranks, kwargs=dict(scenarios=scen), timeout=180)
+    three = launch_gloo(W.bn_window_ranks, world=3, timeout=180,
+                        kwargs=dict(scenarios=dict(three=DDP_THREE)))
+    out = {k: [r[k] for r in rs] for k in scen}
+    out['three'] = [r['three'] for r in three]
+    for k,v in out.items():
+        for r in v: assert 'error' not in r, (k, r['error'])
+    return out
+
+def big_batch(ranks, per_rank=False):
+    """One process: each step on the large batch of every rank's loader batch (`per_rank`: each rank's batch normalised
+    by itself, the gradients joined by their counts, as DDP without the window's pooling over ranks would)"""
+    m = Net().double(); m.train()
+    for bs in zip(*[r['batches'] for r in ranks]):
+        m.zero_grad()
+        if per_rank:
+            n = sum(len(b[0]) for b in bs)
+            for x,y in bs: (F.mse_loss(m(x), y)*len(x)/n).backward()
+        else: F.mse_loss(m(torch.cat([b[0] for b in bs])), torch.cat([b[1] for b in bs])).backward()
+        with torch.no_grad():
+            for p in m.parameters(): p -= DDP_LR*p.grad
+    stats = {k: v for k,v in m.state_dict().items() if 'running' in k or 'num_batches' in k}
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]),stats
+
+@pytest.mark.parametrize('name', ['even', 'uneven', 'three'])
+def test_ddp_is_the_large_batch_of_all_ranks(ddp_runs, name):
+    ranks = ddp_runs[name]
+    params,stats = big_batch(ranks)
+    sizes = (DDP_THREE if name == 'three' else DDP_RUNS[name])['sizes']
+    assert len(ranks[0]['batches']) == 2*-(-sizes[0]//8) and all(r['variant'] == 'exact' for r in ranks)
+    for r in ranks:
+        assert torch.equal(r['params'], ranks[0]['params'])   # every rank the same weights and running statistics
+        assert rel_err(r['params'], params) < DDP_TOL
+        for k,v in stats.items():
+            assert rel_err(r['stats'][k].double(), v.double()) < DDP_TOL, k
+    if name == 'even':   # the contract can fail: each rank's window normalised by itself is far from it
+        assert rel_err(ranks[0]['params'], big_batch(ranks, per_rank=True)[0]) > 1e-3
+
+def test_ddp_approx_keeps_the_windows_forward(ddp_runs):
+    "'window-approx': each micro-batch's forward on every rank is the large batch's of all ranks, from the same weights"
+    ranks = ddp_runs['approx']
+    assert all(r['variant'] == 'approx' for r in ranks)
+    for w in range(len(ranks[0]['batches'])):
+        m = Net().double(); m.load_state_dict(ranks[0]['starts'][w]); m.train()
+        ref = m(torch.cat([r['batches'][w][0] for r in ranks])).detach()
+        got = torch.cat([torch.cat(r['preds'][w]) for r in ranks])
+        assert rel_err(got, ref) < DDP_TOL, w
+    assert 1e-10 < rel_err(ranks[0]['params'], big_batch(ranks)[0]) < 0.5   # (the gradient is not the exact one)
+
+def test_ddp_resume_is_bitwise(ddp_runs):
+    "Cut mid-window under DDP, resumed from the checkpoint: the weights of the run that was not cut"
+    for a,b in zip(ddp_runs['resume'], ddp_runs['even']):
+        assert a['cut'] and len(a['batches']) < len(b['batches'])   # (cut, then resumed: not trained again from start)
+        assert torch.equal(a['params'], b['params'])
+        for k,v in b['stats'].items(): assert torch.equal(a['stats'][k], v), k

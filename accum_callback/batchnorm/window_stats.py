@@ -8,18 +8,21 @@ layer by layer in the order the forward reaches them (layer L's statistics depen
 window's statistics), one no-grad pass over the window's micro-batches each, stopped at the layer measured. The
 backward terms (`sum dy` and `sum dy*xhat` per channel) are found from the top down: for layer L, one forward and a
 backward from the loss to layer L only (`torch.autograd.grad` to a probe), with the layers above it already exact.
-`WindowStats` is the machinery (used by the mode and by `check_accumulation`'s replay), `WindowMode` the mode of
-`BatchNormAccumulation`."""
+Under DDP the window is every rank's micro-batches together: after each pass the layer's statistics (and the backward
+sums) are reduced over the ranks, so that every rank normalises with the statistics of the large batch of all ranks'
+samples, as `SyncBatchNorm` does. `WindowStats` is the machinery (used by the mode and by `check_accumulation`'s
+replay), `WindowMode` the mode of `BatchNormAccumulation`."""
 from __future__ import annotations
 import contextlib, warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import find_bs
 
 from ..compat.torch import rngs_kept
-from ..core.distributed import is_distributed
+from ..core.distributed import is_ddp, is_distributed, process_count, unwrap
 from ..core.losses import loss_reduction, micro_items
 from ..micro import micro_batching
 from ..micro.pieces import piece_bounds, slice_batch
@@ -36,6 +39,9 @@ def window_bn_layers(model)->list:
     "The BatchNorm layers the window modes treat: torch's BatchNorm1d/2d/3d (`ValueError` for another BatchNorm kind)"
     from .norm_layers import is_batchnorm
     bns = [m for m in model.modules() if is_batchnorm(m)]
+    if any(isinstance(m, nn.SyncBatchNorm) for m in bns):
+        raise ValueError("BatchNormAccumulation('window'): SyncBatchNorm layers are not normalised with the window's "
+                         "statistics: use plain BatchNorm1d/2d/3d (under DDP 'window' pools the window over the ranks)")
     other = sorted({type(m).__name__ for m in bns if type(m) not in _PLAIN})
     if other: raise ValueError(f"BatchNormAccumulation('window'): only torch's BatchNorm1d/2d/3d are normalised with "
                                f"the window's statistics, and the model has {', '.join(other)}: use mode='pool' for it")
@@ -96,7 +102,9 @@ class WindowStats:
     `prepare(k, run)` measures them over a window of `k` micro-batches, `run(j)` running micro-batch j's forward and
     returning its loss weighted as its backward will be; then, while `on`, every training forward of these layers
     normalises with them (`exact`: the backward with the window's sums too), until the next `prepare`. The running
-    statistics are left alone: `update_running()` makes the large batch's one update from the window's statistics"""
+    statistics are left alone: `update_running()` makes the large batch's one update from the window's statistics.
+    `prepare(..., over_ranks=True)` (DDP): the window is every rank's micro-batches, each pass's statistics and sums
+    reduced over the default process group; every rank makes the same passes, in the same order"""
     def __init__(self, bns:list, exact:bool):
         self.layers,self.exact,self.on,self.ready = [_Layer(bn) for bn in bns],exact,False,False
         self.order,self.collect,self.probe,self.measured = [],None,None,set()
@@ -141,9 +149,10 @@ class WindowStats:
                 for L in self.layers:
                     if getattr(L, 'x', None) is not None: L.x = None; L.bn.training = True   # (a forward that raised)
 
-    def prepare(self, k:int, run):
+    def prepare(self, k:int, run, over_ranks:bool=False):
         """Measure the window's statistics over its `k` micro-batches (`run(j)`: micro-batch j's forward, its weighted
-        loss returned), then the backward sums from the top (exact); every RNG as it was after"""
+        loss returned), then the backward sums from the top (exact); every RNG as it was after. `over_ranks`: the window
+        is every rank's micro-batches (`k` this rank's), its statistics and sums reduced over the ranks"""
         for L in self.layers: L.mean = L.invstd = L.sum_dy = L.sum_dyx = None; L.n = 0.
         self.order,self.measured,self.ready,self.passes = [],set(),False,0
         was_on,self.on,self.preparing = self.on,True,True
@@ -154,8 +163,9 @@ class WindowStats:
                     for j in range(k): self._forward(run, j)
                     self.passes += 1
                     L,parts,self.collect = self.collect.layer,self.collect.parts,None
+                    if over_ranks: self._same_layer(L)
                     if L is None: break   # the forward reached no layer left: the others do not run
-                    self._set_stats(L, parts)
+                    self._set_stats(L, parts, over_ranks)
                 if self.exact:
                     for L in reversed(self.order):
                         L.acc = [torch.zeros_like(L.mean), torch.zeros_like(L.mean)]
@@ -168,14 +178,33 @@ class WindowStats:
                                     torch.autograd.grad(loss, [probe], allow_unused=True)   # (to layer L only)
                             self.passes += 1
                         finally: self.probe = None
-                        L.sum_dy,L.sum_dyx,L.acc = L.acc[0],L.acc[1],None
+                        sums = torch.stack(L.acc)
+                        if over_ranks: dist.all_reduce(sums)   # (every rank's dy is the same loss's: one reference)
+                        L.sum_dy,L.sum_dyx,L.acc = sums[0],sums[1],None
         finally: self.collect,self.on,self.preparing = None,was_on,False
         self.ready = True
 
-    def _set_stats(self, L, parts):
+    def _same_layer(self, L):
+        "Every rank's pass measured the same layer (or none): else the ranks' windows cannot be pooled"
+        dev = next((t.device for M in self.layers for t in (*M.bn.parameters(), *M.bn.buffers())), 'cpu')
+        mine = torch.tensor([float(self.layers.index(L) if L is not None else -1)], dtype=torch.float64, device=dev)
+        got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(got, mine)
+        if len({float(g) for g in got}) > 1:
+            raise RuntimeError("BatchNormAccumulation('window') under DDP: the ranks' forwards reach their BatchNorm "
+                               "layers in different orders, so the window's statistics cannot be pooled over them: use "
+                               "mode='pool'")
+
+    def _set_stats(self, L, parts, over_ranks=False):
         n = torch.tensor([float(p[0]) for p in parts], dtype=torch.float64, device=parts[0][1].device)[:, None]
         means,m2s = torch.stack([p[1] for p in parts]),torch.stack([p[2] for p in parts])
         tot,mu,m2 = pooled_moments(n.expand(-1, means.shape[1]), means, m2s)
+        if over_ranks:   # each rank's (items, mean, m2) gathered and pooled again in rank order: alike on every rank
+            mine = torch.stack([tot, mu, m2])
+            got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(got, mine)
+            g = torch.stack(got)
+            tot,mu,m2 = pooled_moments(g[:, 0], g[:, 1], g[:, 2])
         L.n,L.mean = float(tot[0]),mu
         L.var = m2/tot
         L.invstd = (L.var + L.bn.eps).rsqrt()
@@ -215,9 +244,9 @@ class WindowStats:
         for h in self.handles: h.remove()
         self.handles,self.on = [],False
 
-def _weighted_loss(learn, ga, xb, yb, ref):
-    "Micro-batch (xb, yb)'s loss weighted as `GradientAccumulation` weighs its backward (`Window.loss_weight`)"
-    pred = learn.model(*xb)
+def _weighted_loss(learn, model, ga, xb, yb, ref):
+    "Micro-batch (xb, yb)'s loss through `model`, weighted as `GradientAccumulation` weighs its backward"
+    pred = model(*xb)
     loss = learn.loss_func(pred, *yb)
     if ref is None: return loss   # a summed loss: weight 1
     n = micro_items(_Batch(learn, xb, yb, pred, loss), ga.n_items, find_bs(yb if len(yb) else xb))
@@ -242,7 +271,8 @@ class WindowMode:
 
     @staticmethod
     def refuse(learn, mode:str):
-        "Before anything is set up: the windows this mode can measure (one loader batch cut by `MicroBatching`), no DDP"
+        """Before anything is set up: the windows this mode can measure (one loader batch cut by `MicroBatching`; under
+        DDP one on every rank), not FSDP2 nor a `global_window` run over several processes"""
         from ..window.accumulate import GradientAccumulation
         from .norm_layers import is_batchnorm
         if not any(is_batchnorm(m) for m in learn.model.modules()): return   # (nothing to measure: said at fit start)
@@ -258,8 +288,12 @@ class WindowMode:
         if ga is not None and bs and ga.window_batches(bs) != 1:
             raise ValueError(f"BatchNormAccumulation({mode!r}): a window of several loader batches cannot be measured "
                              f"at its start: {fix}")
-        if is_distributed(learn.model):
-            raise ValueError(f"BatchNormAccumulation({mode!r}) is not implemented under DDP yet: use mode='pool'")
+        if is_distributed(learn.model) and not is_ddp(learn.model):
+            raise ValueError(f"BatchNormAccumulation({mode!r}) is not implemented under FSDP2 yet: use mode='pool' "
+                             "(or DDP)")
+        if ga is not None and ga.window_over_ranks and process_count() > 1:
+            raise ValueError(f"BatchNormAccumulation({mode!r}) is not implemented for a `global_window` run over "
+                             "several processes yet: use mode='pool' (or DDP without `global_window`)")
 
     def start(self, bns):
         bns = window_bn_layers(self.cb.model)
@@ -294,18 +328,22 @@ class WindowMode:
         ctx = mp.autocast if getattr(mp, 'autocast', None) is not None else contextlib.nullcontext()
         scaler = getattr(learn, 'scaler', None) if mp is not None else None
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.
+        # under DDP: through the wrapped module (no reducer, no buffer broadcast), the window pooled over the ranks
+        ddp = is_ddp(learn.model)
+        model = unwrap(learn.model)
         def run(j):
-            with ctx: loss = _weighted_loss(learn, ga, *xys[j], None if summed else self._ref(xys))
+            with ctx: loss = _weighted_loss(learn, model, ga, *xys[j], None if summed else self._ref(xys, ddp))
             return loss if scale == 1. else loss*scale
-        ws.prepare(len(xys), run)
-    def _ref(self, xys):
-        "The window's loss-scale reference: its first micro-batch's count (`Window.reference`)"
+        ws.prepare(len(xys), run, over_ranks=ddp)
+    def _ref(self, xys, ddp:bool):
+        "The window's loss-scale reference: its first micro-batch's count, under DDP the loader's bs"
         if self._refv is None:
             learn,ga = self.cb.learn,self.cb.ga
             xb,yb = xys[0]
             from ..window.state import Window
             n = micro_items(_Batch(learn, xb, yb, None, None), ga.n_items, find_bs(yb if len(yb) else xb))
-            self._refv = Window.reference(float(n) if not isinstance(n, torch.Tensor) else n)
+            self._refv = Window.reference(float(n) if not isinstance(n, torch.Tensor) else n,
+                                          learn.dls.train.bs if ddp else None)
         return self._refv
     def before_backward(self): pass
     def after_backward(self): self.ws.on = False   # (the backward is over: other forwards run as they would)
