@@ -79,6 +79,35 @@ def f32_floor(fn, *args)->float:
     got,want = (flat(o) if isinstance(o, (tuple, list)) else o.reshape(-1) for o in (got, want))
     return rel_err(got.double(), want)
 
+def _floats(o)->list:
+    "The floating tensors in a model's output (a tensor, or dicts/tuples/lists of them), in order"
+    if isinstance(o, dict): o = list(o.values())
+    if isinstance(o, (tuple, list)): return [t for x in o for t in _floats(x)]
+    return [o.reshape(-1)] if isinstance(o, torch.Tensor) and o.is_floating_point() else []
+
+def plain_loss(learn, model, xb, yb): return learn.loss_func(model(*xb), *yb)
+
+def forward_floor(learn, loss=plain_loss, state64=None)->float:
+    """Float32's rounding on inference: the model (in eval mode, no gradient) on one validation batch, its outputs and
+    `loss(learn, model, xb, yb)`, float32 against the same batch through a float64 copy (`state64(copy)` casts a state
+    it carries outside its parameters); the largest relative error. `floor_tol` of it bounds two float32 inference
+    runs that group the same items otherwise (cut batches, another summation)"""
+    from accum_callback.micro import copy_module
+    n = learn.dls.n_inp; b = learn.dls.valid.one_batch(); xb,yb = tuple(b[:n]),tuple(b[n:])
+    def copies():   # fresh copies for each pass: a stateful model's state moves on at every forward
+        m32,m64 = copy_module(learn.model),copy_module(learn.model, computed=lambda t: t.detach().double()).double()
+        if state64 is not None: state64(m64)
+        return m32.eval(),m64.eval()
+    errs,rng = [],torch.get_rng_state()
+    with torch.no_grad():
+        for fn in (lambda m, x, y: _floats(m(*x)), lambda m, x, y: [loss(learn, m, x, y).reshape(-1)]):
+            m32,m64 = copies()
+            torch.set_rng_state(rng); a = fn(m32, xb, yb)
+            torch.set_rng_state(rng); b64 = fn(m64, as64(xb), as64(yb))
+            errs.append(rel_err(flat(a).double(), flat(b64).double()))
+    torch.set_rng_state(rng)
+    return max(errs)
+
 class Float64Batches(Callback):
     """Every batch cast to float64 before any other callback sees it (the Learner's data stays float32), and the recorded
     loss (fastai's flattened losses compute in float32 whatever the input) float64 for the smoothing"""

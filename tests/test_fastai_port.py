@@ -9,7 +9,7 @@ import pytest, torch, torch.nn as nn
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
 
-from helpers import flat, make_data, rel_err
+from helpers import as64, flat, floor_tol, make_data, rel_err
 
 RECIPE = '''
 from accum_callback import GradientAccumulation
@@ -26,7 +26,8 @@ class StepSpy(Callback):
     samples since the last step, from the same weights, against the gradient about to be applied (relative error)"""
     order = MixedPrecision.order-3
     run_valid = False
-    def __init__(self, per_fit:bool=True): self.buf,self.errs,self.sizes,self.per_fit = [],[],[],per_fit
+    def __init__(self, per_fit:bool=True):
+        self.buf,self.errs,self.errs64,self.floors,self.sizes,self.per_fit = [],[],[],[],[],per_fit
     def before_fit(self):
         "A window ends with its fit (ours zeroes what it held); fastai's leaves its gradient for the next fit: kept"
         if self.per_fit: self.buf = []
@@ -34,12 +35,19 @@ class StepSpy(Callback):
     def before_step(self):
         xb = [torch.cat([b[0][i] for b in self.buf]) for i in range(len(self.xb))]
         yb = [torch.cat([b[1][i] for b in self.buf]) for i in range(len(self.yb))]
-        m = copy.deepcopy(self.model); m.zero_grad()
-        self.loss_func(m(*xb), *yb).backward()
-        ref = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()])
+        ref = self._grad(copy.deepcopy(self.model), xb, yb)
+        ref64 = self._grad(copy.deepcopy(self.model).double(), as64(xb), as64(yb))
         got = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()])
         self.errs.append(rel_err(got, ref)); self.sizes.append(len(yb[0]))
+        self.errs64.append(rel_err(got.double(), ref64)); self.floors.append(rel_err(ref.double(), ref64))
         self.buf = []
+    def _grad(self, m, xb, yb):
+        m.zero_grad(); self.loss_func(m(*xb), *yb).backward()
+        return flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()])
+    @property
+    def tol(self)->float:
+        "The stricter oracle's tolerance: float32's rounding on the one batch, against it in float64 (`floor_tol`)"
+        return floor_tol(self.floors)
 
 def test_the_migration_line_survives_the_recipes_star_import():
     from accum_callback.window.accumulate import GradientAccumulation as Ours
@@ -55,6 +63,7 @@ def test_the_migration_line_survives_the_recipes_star_import():
     assert len(ga) == 1 and isinstance(ga[0], Ours) and ga[0].plan.target_bs() == 32 and ga[0].plan.partial == 'carry'
     spy = ns['spy']
     assert spy.sizes == [32]*6 and max(spy.errs) <= 1e-5, spy.errs   # 96 samples an epoch: 3 steps of 32, exact
+    assert max(spy.errs64) <= spy.tol, (spy.errs64, spy.tol)   # the stricter oracle: against float64, float32's own floor
 
 class EvalBN(Callback):
     "BatchNorm on its running statistics in training too, so that the gradient measures the accumulation alone"
@@ -97,6 +106,7 @@ def test_road_to_the_top_ported_both_ways(tmp_path, capsys):
     print(f"  fastai's GradientAccumulation(64): {len(fa.errs)} steps, gradient error up to {max(fa.errs):.1e} (windows {fa.sizes})")
     print(f"  learn.accumulate(n_acc=64):        {len(us.errs)} steps, gradient error up to {max(us.errs):.1e} (windows {us.sizes})")
     assert max(us.errs) <= 1e-5, us.errs
+    assert max(us.errs64) <= us.tol, (us.errs64, us.tol)   # the stricter oracle: against float64, float32's own floor
     assert fa_preds.shape == us_preds.shape and torch.isfinite(us_preds).all()
     # n_acc carries a window over epochs as fastai does, and a fit's last partial window is dropped with its gradient:
     # every step of ours is 64 samples from one set of weights. fastai's leaves that gradient in `.grad`, and the

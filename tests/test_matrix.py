@@ -25,7 +25,7 @@ from fastai.learner import load_learner
 from accum_callback import GradientAccumulation, BatchNormAccumulation, Groups, MicroBatching
 from accum_callback.testing import launch_gloo
 from apps import ROWS, BS, N_TRAIN, Row, Oracle, OOMAbove, quiet_fit
-from helpers import accumulation, flat, rel_err
+from helpers import accumulation, flat, floor_tol, forward_floor, rel_err
 
 # The steps are compared with the big batch in float64; the tolerance is float32's own error on that big batch,
 # measured in the same step (`Oracle.tol`: `helpers.floor_tol`): it follows the machine's kernels (AVX-512, AVX2, a GPU's)
@@ -122,12 +122,15 @@ def test_inference_out_of_memory_cell(name, col, one_thread):
         quiet_fit(learn, 1); quiet_fit(ref_learn, 1)
         assert oom.hits >= 1 and learn.micro_batching.inference_bs is not None
         assert rel_err(flat(learn.model.parameters()).detach(), flat(ref_learn.model.parameters()).detach()) == 0
+        oom.enabled = False   # (the loss can be shared between Learners): the simulated device has room for the floor
+        tol = floor_tol([forward_floor(ref_learn, row.loss, row.state64)])   # float32's rounding on one uncut batch
+        oom.enabled = True
         got,want = learn.recorder.values[-1],ref_learn.recorder.values[-1]   # fit's own validation
-        assert all(abs(a-b) <= 1e-6*max(1, abs(b)) for a,b in zip(got, want)), (got, want)
+        assert all(abs(a-b) <= tol*abs(b) for a,b in zip(got, want)), (got, want, tol)
         v,vr = learn.validate(),ref_learn.validate()
-        assert all(abs(a-b) <= 1e-6*max(1, abs(b)) for a,b in zip(v, vr)), (v, vr)
+        assert all(abs(a-b) <= tol*abs(b) for a,b in zip(v, vr)), (v, vr, tol)
         p,t = learn.get_preds(**row.preds_kw); pr,tr = ref_learn.get_preds(**row.preds_kw)
-        assert torch.allclose(p, pr, rtol=1e-5, atol=1e-6) and torch.equal(t, tr)
+        assert (p-pr).abs().max() <= tol*pr.abs().max() and torch.equal(t, tr), ((p-pr).abs().max(), tol)
 
 def _bn_layers(learn):
     from torch.nn.modules.batchnorm import _BatchNorm
@@ -178,9 +181,11 @@ def test_fine_tune_cell(name, one_thread):
     ga = learn.gradient_accumulation
     assert ga.steps >= 2 and all(map(math.isfinite, ga.window_losses)) and len(learn.recorder.values) == 1
 
-def _close(a, b):
+def _close(a, b, tol):
+    "Equal strings; numbers within `tol` relative to the largest of `b` (float32's measured rounding: `forward_floor`)"
     if isinstance(a, str): return a == b
-    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
+    a,b = torch.as_tensor(a).double(),torch.as_tensor(b).double()
+    return a.shape == b.shape and bool((a-b).abs().max() <= tol*b.abs().max())
 
 @pytest.mark.parametrize('name', [n for n,c in CELLS if c == 'inference'])
 def test_inference_cell(name, one_thread):
@@ -194,7 +199,8 @@ def test_inference_cell(name, one_thread):
     learn.remove_cbs(ours)
     with learn.no_bar(): want = _inference(learn, row)
     assert got.keys() == want.keys()
-    for k in got: assert all(_close(a, b) for a,b in zip(got[k], want[k])), k
+    tol = floor_tol([forward_floor(learn, row.loss, row.state64)])
+    for k in got: assert all(_close(a, b, tol) for a,b in zip(got[k], want[k])), (k, tol)
 
 def _inference(learn, row):
     out = dict(validate=learn.validate(), get_preds=learn.get_preds(**row.preds_kw)[:2], predict=[row.predict(learn)])
@@ -212,7 +218,8 @@ def test_export_cell(name, tmp_path, one_thread):
     with warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='load_learner` uses Python')
         loaded = load_learner(tmp_path/'export.pkl')
-    with learn.no_bar(), loaded.no_bar(): assert _close(row.predict(loaded), row.predict(learn))
+    tol = floor_tol([forward_floor(learn, row.loss, row.state64)])
+    with learn.no_bar(), loaded.no_bar(): assert _close(row.predict(loaded), row.predict(learn), tol), tol
 
 @pytest.fixture(scope='module')
 def ddp_runs():
