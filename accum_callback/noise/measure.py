@@ -55,10 +55,13 @@ class NoiseScaleReport:
     def __str__(self):
         lo,hi = self.interval
         skipped = f", {self.n_skipped} non-finite left out" if self.n_skipped else ''
-        read = f"{self.items_read} items, {self.items_read/self.set_items:.2g} of the training set" if self.set_items else ''
-        if self.set_items and self.items_read > self.set_items: read += " (more than it holds: windows repeat samples)"
+        f = self.items_read/self.set_items if self.set_items else 0
+        share = f"{f:.0%} of the training set" if f <= 1 else f"{f:.2g}x the training set (windows repeat samples)"
+        read = f"{self.items_read} items, {share}" if self.set_items else ''
         suggested = (f"target_bs={self.target_bs} (n_step={self.n_step} micro-batches of the loader's batch)"
                      if self.target_bs is not None else f"nothing: {self.reason}")
+        if self.target_bs is not None and self.target_bs <= self.b:   # one micro-batch is already that large
+            suggested = f"no accumulation: B_simple is at most one micro-batch of {self.b:.3g} items (n_step=1)"
         return '\n'.join(['noise_scale', '-'*72,
             (f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} {self.what}{skipped})"
              if math.isfinite(self.b_simple) else
