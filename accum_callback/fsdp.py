@@ -1,11 +1,12 @@
-"""fastai + FSDP2 (`torch.distributed.fsdp.fully_shard`): a way in (`learn.to_fsdp`, `learn.from_fsdp`, `learn.fsdp_ctx`)
-and, on a Learner whose model is sharded, `save`/`load`/`export` that write and read the whole model, not one rank's
-shard: set on that Learner by `to_fsdp` (or `learn.fsdp_checkpoints()` for a model sharded by hand), never on fastai's
-`Learner` class, whose methods stay fastai's.
+"""fastai + FSDP2 (`torch.distributed.fsdp.fully_shard`): a way in (`learn.to_fsdp`, `learn.from_fsdp`,
+`learn.fsdp_ctx`) and, on a Learner whose model is sharded, `save`/`load`/`export` that write and read the whole model,
+not one rank's shard: set on that Learner by `to_fsdp` (or `learn.fsdp_checkpoints()` for a model sharded by hand),
+never on fastai's `Learner` class, whose methods stay fastai's.
 
 `GradientAccumulation` accumulates under FSDP2 whoever sharded the model (one reduce-scatter per window; see
-`window/accumulate.py` and `core/distributed.py`); this module is the fastai side: sharding `learn.model` block by block, the
-optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the checkpoints."""
+`window/accumulate.py` and `core/distributed.py`); this module is the fastai side: sharding `learn.model` block by
+block, the optimizer rebuilt on the sharded parameters, the data cut per rank with fastai's `DistributedDL`, and the
+checkpoints."""
 from __future__ import annotations
 import contextlib, copy, functools, gc, os, pickle, types, warnings
 
@@ -23,13 +24,15 @@ from .micro import copy_module
 __all__ = ['default_blocks', 'fsdp_full_state_dict', 'FSDPState']
 
 def default_blocks(model:nn.Module)->list:
-    """The blocks `to_fsdp` shards by default: modules that sit in an `nn.Sequential` or `nn.ModuleList` beside a sibling
-    of the same class and hold parameters (ResNet's BasicBlock/Bottleneck, ConvNeXt and ViT blocks), the outermost ones"""
+    """The blocks `to_fsdp` shards by default: modules that sit in an `nn.Sequential` or `nn.ModuleList` beside a
+    sibling of the same class and hold parameters (ResNet's BasicBlock/Bottleneck, ConvNeXt and ViT blocks), the
+    outermost ones"""
     found,taken = [],set()
     def walk(m):
         for c in m.children():
             if id(c) in taken: continue
-            if isinstance(m, (nn.Sequential, nn.ModuleList)) and any(type(s) is type(c) and s is not c for s in m.children()) \
+            if isinstance(m, (nn.Sequential, nn.ModuleList)) and any(type(s) is type(c) and s is not c
+                                                                     for s in m.children()) \
                and any(True for _ in c.parameters()):
                 found.append(c); taken.update(id(x) for x in c.modules())
             else: walk(c)
@@ -44,7 +47,8 @@ def _meta_template(model:nn.Module)->nn.Module:
     return copy_module(model, memo, computed=lambda t: torch.empty_like(t, device='meta'))
 
 class FSDPState:
-    "What `to_fsdp` changed on a Learner, to put back: the loaders, the unsharded template, whether it started the group"
+    """What `to_fsdp` changed on a Learner, to put back: the loaders, the unsharded template, whether it started the
+    group"""
     def __init__(self, template, dls_loaders, device, own_group):
         self.template,self.dls_loaders,self.device,self.own_group = template,dls_loaders,device,own_group
         self.dl_patch = contextlib.ExitStack()
@@ -64,8 +68,10 @@ def to_fsdp(self:Learner,
     blocks=None, # modules (or a function of the model giving them) to shard each on its own; default `default_blocks`
     mesh=None, # a `DeviceMesh`; default one dimension over every rank, on this rank's GPU or the CPU
     shard_data:bool=True, # cut the training and validation loaders per rank with fastai's `DistributedDL`
-    sharded_grads:bool=False, # accumulating: reduce-scatter every micro-batch so gradients stay sharded (1/world the memory, k rounds a window)
-    gathered_params:bool=False, # accumulating: keep parameters gathered through a window (one all-gather a window, not 1-2 a micro-batch)
+    # accumulating: reduce-scatter every micro-batch so gradients stay sharded (1/world the memory, k rounds a window)
+    sharded_grads:bool=False,
+    # accumulating: keep parameters gathered through a window (one all-gather a window, not 1-2 a micro-batch)
+    gathered_params:bool=False,
     **kwargs # passed to `fully_shard` (e.g. `reshard_after_forward`, `mp_policy`)
 ):
     """Shard `learn.model` with FSDP2 block by block, then its root; rebuild the optimizer on the sharded parameters;
@@ -73,9 +79,9 @@ def to_fsdp(self:Learner,
     sharded model cannot be converted). Launch with `torchrun`; `learn.from_fsdp()` puts everything back"""
     try: from torch.distributed.fsdp import fully_shard
     except ImportError:
-        raise ImportError(f"learn.to_fsdp needs FSDP2 (`torch.distributed.fsdp.fully_shard`, public from torch 2.6), which "
-                          f"torch {torch.__version__} does not have; accum_callback's FSDP2 is tested from torch 2.14 "
-                          "(docs/versions.md). Use DDP (`learn.distrib_ctx()`) or a newer torch") from None
+        raise ImportError("learn.to_fsdp needs FSDP2 (`torch.distributed.fsdp.fully_shard`, public from torch 2.6), "
+                          f"which torch {torch.__version__} does not have; accum_callback's FSDP2 is tested from torch "
+                          "2.14 (docs/versions.md). Use DDP (`learn.distrib_ctx()`) or a newer torch") from None
     from torch.distributed.device_mesh import init_device_mesh
     from fastai.distributed import DistributedDL
     if getattr(self, 'fsdp_state', None) is not None: raise ValueError("to_fsdp: the Learner is sharded already")
@@ -103,8 +109,8 @@ def to_fsdp(self:Learner,
 
 @patch
 def fsdp_checkpoints(self:Learner):
-    """This Learner's `save`, `load` and `export` write and read the whole model (gathered from every rank's shard) while
-    its model is sharded with FSDP2, fastai's otherwise; set by `to_fsdp`, and for a model sharded by hand
+    """This Learner's `save`, `load` and `export` write and read the whole model (gathered from every rank's shard)
+    while its model is sharded with FSDP2, fastai's otherwise; set by `to_fsdp`, and for a model sharded by hand
     (`fully_shard`) call it once. Only this Learner changes: fastai's `Learner` class keeps its methods"""
     for k,f in _CHECKPOINTS.items(): self.__dict__[k] = types.MethodType(f, self)
     return self
@@ -127,7 +133,8 @@ def _unsharded(template, sd, device='cpu')->nn.Module:
 def from_fsdp(self:Learner,
     device=None, # where the unsharded model goes (default: where `to_fsdp` put the sharded one)
 ):
-    "Undo `to_fsdp`: `learn.model` is the whole (unsharded) model again on every rank, the loaders and optimizer fastai's"
+    """Undo `to_fsdp`: `learn.model` is the whole (unsharded) model again on every rank, the loaders and optimizer
+    fastai's"""
     st = getattr(self, 'fsdp_state', None)
     if st is None: raise ValueError("from_fsdp: the Learner was not sharded with `learn.to_fsdp()`")
     sd = fsdp_full_state_dict(self.model)
@@ -147,11 +154,13 @@ def from_fsdp(self:Learner,
 
 @patch
 @contextlib.contextmanager
-def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, sharded_grads:bool=False, gathered_params:bool=False, **kwargs):
+def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, sharded_grads:bool=False,
+             gathered_params:bool=False, **kwargs):
     """`to_fsdp` for the block, `from_fsdp` after it: fastai's `distrib_ctx`, with FSDP2. After an error the weights are
     not gathered (a gather is a collective, and the other ranks may still be training, or gone): the error is raised as
     it was, on the rank where it happened, with the loaders put back and the model left sharded"""
-    self.to_fsdp(blocks=blocks, mesh=mesh, shard_data=shard_data, sharded_grads=sharded_grads, gathered_params=gathered_params, **kwargs)
+    self.to_fsdp(blocks=blocks, mesh=mesh, shard_data=shard_data, sharded_grads=sharded_grads,
+                 gathered_params=gathered_params, **kwargs)
     try: yield self
     except BaseException:
         _leave_fsdp_locally(self)
@@ -159,14 +168,16 @@ def fsdp_ctx(self:Learner, blocks=None, mesh=None, shard_data:bool=True, sharded
     self.from_fsdp()
 
 def _leave_fsdp_locally(learn):
-    "What `from_fsdp` undoes that needs no other rank: the loaders (and fastai's DistributedDL patch); the model stays sharded"
+    """What `from_fsdp` undoes that needs no other rank: the loaders (and fastai's DistributedDL patch); the model stays
+    sharded"""
     st = getattr(learn, 'fsdp_state', None)
     if st is None: return
     learn.dls.loaders = st.dls_loaders
     st.dl_patch.close()
     learn.fsdp_state = learn.fsdp_options = None
 
-# -- fastai's save / load / export under FSDP2 ------------------------------------------------------------------------------
+# -- fastai's save / load / export under FSDP2
+# ------------------------------------------------------------------------------
 _fastai_save,_fastai_load,_fastai_export = Learner.save,Learner.load,Learner.export   # (read, never replaced)
 
 def _full(t):
@@ -176,37 +187,44 @@ def _full(t):
 def _opt_states(opt)->list:
     "(parameter, state dict) pairs of a fastai `Optimizer` or `OptimWrapper`"
     inner = getattr(opt, 'opt', None)
-    if inner is not None and isinstance(getattr(inner, 'state', None), dict): return [(p, s) for p,s in inner.state.items()]
+    if inner is not None and isinstance(getattr(inner, 'state', None), dict):
+        return [(p, s) for p,s in inner.state.items()]
     return [(p, opt.state[p]) for p,*_ in opt.all_params() if p in opt.state]
 
 @functools.wraps(_fastai_save)
 def _save(self, file, with_opt=True, pickle_protocol=2, **kwargs):
-    if not is_fsdp(self.model): return _fastai_save(self, file, with_opt=with_opt, pickle_protocol=pickle_protocol, **kwargs)
+    if not is_fsdp(self.model):
+        return _fastai_save(self, file, with_opt=with_opt, pickle_protocol=pickle_protocol, **kwargs)
     from fastcore.xtras import join_path_file
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     state = fsdp_full_state_dict(self.model)   # every rank takes part in the gathers
     if with_opt and getattr(self, 'opt', None) is not None:
         state = {'model': state, 'opt': tree_map(_full, self.opt.state_dict())}
-    if dist.get_rank() == 0: torch.save(plain_state(state, 'the FSDP2 state'), file, pickle_protocol=pickle_protocol, **kwargs)   # (read back without running code)
+    # (read back without running code)
+    if dist.get_rank() == 0:
+        torch.save(plain_state(state, 'the FSDP2 state'), file, pickle_protocol=pickle_protocol, **kwargs)
     dist.barrier()
     return file
 
 @functools.wraps(_fastai_load)
 def _load(self, file, device=None, with_opt=True, strict=True, **kwargs):
-    if not is_fsdp(self.model): return _fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
+    if not is_fsdp(self.model):
+        return _fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
     from fastcore.xtras import join_path_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
     from torch.distributed.tensor import distribute_tensor
     if self.opt is None: self.create_opt()
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     dist.barrier()
-    try: state = from_plain(torch.load(file, map_location='cpu', weights_only=True))   # every rank reads the whole file (a shared disk); runs no code
+    # every rank reads the whole file (a shared disk); runs no code
+    try: state = from_plain(torch.load(file, map_location='cpu', weights_only=True))
     except pickle.UnpicklingError:
-        raise ValueError(f"learn.load: {file} holds objects that a file read without running code cannot hold (saved by "
-                         "accum_callback before 0.3.0, or not by `learn.save`); if you trust it, read it with "
+        raise ValueError(f"learn.load: {file} holds objects that a file read without running code cannot hold (saved "
+                         "by accum_callback before 0.3.0, or not by `learn.save`); if you trust it, read it with "
                          "`torch.load(file, weights_only=False)` on one process and save it again with `learn.save`") from None
     has_opt = set(state) == {'model', 'opt'}
-    set_model_state_dict(self.model, state['model'] if has_opt else state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    set_model_state_dict(self.model, state['model'] if has_opt else state,
+                         options=StateDictOptions(full_state_dict=True, strict=strict))
     if has_opt and with_opt:
         self.opt.load_state_dict(state['opt'])
         for p,s in _opt_states(self.opt):   # whole tensors back into this rank's shard of each parameter's layout
@@ -220,20 +238,23 @@ def _load(self, file, device=None, with_opt=True, strict=True, **kwargs):
 @functools.wraps(_fastai_export)
 def _export(self, fname='export.pkl', **kwargs):
     if not is_fsdp(self.model):
-        mine = {k: self.__dict__.pop(k) for k in _CHECKPOINTS if k in self.__dict__}   # the exported Learner is fastai's
+        # the exported Learner is fastai's
+        mine = {k: self.__dict__.pop(k) for k in _CHECKPOINTS if k in self.__dict__}
         try: return _fastai_export(self, fname, **kwargs)
         finally: self.__dict__.update(mine)
     st = getattr(self, 'fsdp_state', None)
     if st is None:
-        raise ValueError("learn.export under FSDP2 needs the unsharded architecture: shard with `learn.to_fsdp()` (which "
-                         "keeps it), or build the model again unsharded and load `learn.save(...)`'s file into it")
+        raise ValueError("learn.export under FSDP2 needs the unsharded architecture: shard with `learn.to_fsdp()` "
+                         "(which keeps it), or build the model again unsharded and load `learn.save(...)`'s file into "
+                         "it")
     sd = fsdp_full_state_dict(self.model)   # every rank takes part; rank 0 writes
     err = None
     if dist.get_rank() == 0:
         model,opt,loaders = self.model,self.opt,self.dls.loaders
         self.model,self.opt,self.dls.loaders = _unsharded(st.template, sd, 'cpu'),None,st.dls_loaders
         fsdp_state,self.fsdp_state = self.fsdp_state,None
-        mine = {k: self.__dict__.pop(k) for k in _CHECKPOINTS if k in self.__dict__}   # the exported Learner is fastai's
+        # the exported Learner is fastai's
+        mine = {k: self.__dict__.pop(k) for k in _CHECKPOINTS if k in self.__dict__}
         try:
             with _as_rank0(): _fastai_export(self, fname, **kwargs)
         except Exception as e: err = f'{type(e).__name__}: {e}'

@@ -1,5 +1,5 @@
-"""What the tests and the bench scripts share: a gloo launcher that runs a function on several CPU processes, a free port,
-a loss that runs out of memory as a GPU would, and synthetic data. Public torch API only; fastai is not needed.
+"""What the tests and the bench scripts share: a gloo launcher that runs a function on several CPU processes, a free
+port, a loss that runs out of memory as a GPU would, and synthetic data. Public torch API only; fastai is not needed.
 
     from accum_callback.testing import launch_gloo, OutOfMemoryAbove, regression_data
 
@@ -14,7 +14,8 @@ from torch.utils.data import TensorDataset
 
 __all__ = ['free_port', 'launch_gloo', 'OutOfMemoryAbove', 'regression_data', 'image_data']
 
-# -- processes ----------------------------------------------------------------------------------------------------------
+# -- processes
+# ----------------------------------------------------------------------------------------------------------
 def free_port()->int:
     "A TCP port free on this machine now (for a process group's rendezvous)"
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -35,7 +36,8 @@ def _rank_entry(rank:int, world:int, port:int, threads:int, timeout:float, d:str
         finally:
             # A Learner sits in reference cycles (its callbacks point back to it), so the DDP/FSDP wrappers it made hold
             # the process group until the cyclic collector runs, possibly at interpreter shutdown, where gloo's worker
-            # threads then abort the process (SIGABRT, seen once in CI). Collect them now, while the interpreter is whole.
+            # threads then abort the process (SIGABRT, seen once in CI). Collect them now, while the interpreter is
+            # whole.
             gc.collect()
             dist.destroy_process_group()
     except BaseException:
@@ -56,7 +58,8 @@ def launch_gloo(fn, world:int=2, args:tuple=(), kwargs:dict|None=None, threads:i
     ctx = multiprocessing.get_context(start)
     with tempfile.TemporaryDirectory() as d:
         port = free_port()
-        ps = [ctx.Process(target=_rank_entry, args=(r, world, port, threads, timeout, d, fn, tuple(args), dict(kwargs or {})))
+        ps = [ctx.Process(target=_rank_entry, args=(r, world, port, threads, timeout, d, fn, tuple(args),
+                                                    dict(kwargs or {})))
               for r in range(world)]
         # CPU processes: a GPU on the machine stays out of them (fastai and `to_fsdp` would otherwise put models there)
         hidden = os.environ.get('CUDA_VISIBLE_DEVICES')
@@ -77,19 +80,21 @@ def launch_gloo(fn, world:int=2, args:tuple=(), kwargs:dict|None=None, threads:i
             for p in ps:
                 if p.is_alive(): p.terminate()
             for p in ps: p.join()
-            errs = [(r, open(os.path.join(d, f'{r}.err')).read()) for r in range(world) if os.path.exists(os.path.join(d, f'{r}.err'))]
+            errs = [(r, open(os.path.join(d, f'{r}.err')).read()) for r in range(world)
+                    if os.path.exists(os.path.join(d, f'{r}.err'))]
             errs.sort(key=lambda e: e[0] != failed)   # the rank that failed first: the others' errors follow from it
             first = errs[0] if errs else (failed, f'exit code {ps[failed].exitcode}, no traceback (killed?)')
             raise RuntimeError(f'rank {first[0]} of {world} failed in {getattr(fn, "__name__", fn)}:\n{first[1]}')
         for p in ps: p.join()
         return [torch.load(os.path.join(d, f'{r}.pt'), weights_only=False) for r in range(world)]
 
-# -- a simulated device -------------------------------------------------------------------------------------------------
+# -- a simulated device
+# -------------------------------------------------------------------------------------------------
 class OutOfMemoryAbove:
     """A loss (`loss`, default mean squared error) that raises `torch.OutOfMemoryError`, as a GPU would, for a batch of
-    more than `n` items: in training (gradients enabled, `phase='train'`) or in inference (`phase='valid'`), on every rank
-    or on rank `rank` only. `calls`: the item counts it saw in its phase; `hits`: the errors it raised; `enabled = False`
-    gives the device room (nothing is refused)"""
+    more than `n` items: in training (gradients enabled, `phase='train'`) or in inference (`phase='valid'`), on every
+    rank or on rank `rank` only. `calls`: the item counts it saw in its phase; `hits`: the errors it raised; `enabled =
+    False` gives the device room (nothing is refused)"""
     def __init__(self, n:int, loss=None, phase:str='train', rank:int|None=None):
         if phase not in ('train', 'valid'): raise ValueError(f"`phase` must be 'train' or 'valid', got {phase!r}")
         self.n,self.loss,self.phase,self.rank,self.calls,self.hits,self.enabled = n,loss,phase,rank,[],0,True
@@ -109,13 +114,17 @@ class OutOfMemoryAbove:
         if self.loss is None: return torch.nn.functional.mse_loss(out, *yb, **kw)
         return self.loss(out, *yb, **kw)
 
-# -- data ---------------------------------------------------------------------------------------------------------------
-def regression_data(n:int, n_in:int=5, n_out:int=3, seed:int=0, classify:bool=False, dtype=torch.float32)->TensorDataset:
-    "`n` items `x ~ N(0, 1)` of `n_in` features, `y = x @ W + 0.1 noise` (or `classify`: labels in `[0, n_out)`), in `dtype`"
+# -- data
+# ---------------------------------------------------------------------------------------------------------------
+def regression_data(n:int, n_in:int=5, n_out:int=3, seed:int=0, classify:bool=False,
+                    dtype=torch.float32)->TensorDataset:
+    """`n` items `x ~ N(0, 1)` of `n_in` features, `y = x @ W + 0.1 noise` (or `classify`: labels in `[0, n_out)`), in
+    `dtype`"""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, n_in, generator=g, dtype=dtype)
     if classify: y = torch.randint(0, n_out, (n,), generator=g)
-    else: y = x @ torch.randn(n_in, n_out, generator=g, dtype=dtype) + 0.1*torch.randn(n, n_out, generator=g, dtype=dtype)
+    else:
+        y = x @ torch.randn(n_in, n_out, generator=g, dtype=dtype) + 0.1*torch.randn(n, n_out, generator=g, dtype=dtype)
     return TensorDataset(x, y)
 
 def image_data(n:int, px:int, seed:int=0, n_out:int=10)->TensorDataset:

@@ -15,7 +15,8 @@ import torch
 
 from accum_callback.core.files import replace_durably
 
-__all__ = ['CACHE_VERSION', 'MARGIN', 'CacheError', 'split_items', 'decode', 'cached_split', 'CachedImages', 'cached_dls',
+__all__ = ['CACHE_VERSION', 'MARGIN', 'CacheError', 'split_items', 'decode', 'cached_split', 'CachedImages',
+           'cached_dls',
            'inference_dls']
 
 CACHE_VERSION = 2   # 2: stored (N, 3, H, W)
@@ -33,14 +34,17 @@ def split_items(path:Path, valid_pct:float, seed:int)->tuple[list,list,list]:
     return train,valid,list(CategoryMap([parent_label(f) for f in train]))
 
 def decode(f:Path, size:int)->np.ndarray:
-    "One image file as fastai's validation pipeline sees it: `PILImage.create`, `Resize(size)` (centre), RGB uint8 (H, W, 3)"
+    """One image file as fastai's validation pipeline sees it: `PILImage.create`, `Resize(size)` (centre), RGB uint8 (H,
+    W, 3)"""
     from fastai.vision.core import PILImage
     from fastai.vision.augment import Resize
     return np.asarray(Resize(size)(PILImage.create(f), split_idx=1).convert('RGB'))
 
 def _key(files:list, size:int)->str:
     # a file's change time too: an image replaced by one of the same size and modification time is still noticed
-    h = hashlib.sha256(json.dumps([CACHE_VERSION, size] + [(str(Path(f).resolve()), *(lambda s: (s.st_size, s.st_mtime_ns, s.st_ctime_ns))(os.stat(f)))
+    h = hashlib.sha256(json.dumps([CACHE_VERSION, size] + [(str(Path(f).resolve()),
+                                                            *(lambda s: (s.st_size, s.st_mtime_ns,
+                                                                         s.st_ctime_ns))(os.stat(f)))
                                                           for f in files]).encode())
     return h.hexdigest()[:16]
 
@@ -94,15 +98,17 @@ SAMPLE_ROWS = 1024
 def _load(path:Path, n:int, size:int):
     """The cache at `path` memory-mapped, or None when it is damaged: its header or its length is not that of `n`
     images at `size` (a copy cut short, a rename never synced before a power loss), or a row's CRC-32, recorded beside
-    it when built, does not match (bytes changed in place). Every row is checked up to `FULL_CHECK_BYTES` (about 1 GB/s),
-    `SAMPLE_ROWS` rows drawn at random above (docs/main_job.md: the limit)"""
+    it when built, does not match (bytes changed in place). Every row is checked up to `FULL_CHECK_BYTES` (about 1
+    GB/s), `SAMPLE_ROWS` rows drawn at random above (docs/main_job.md: the limit)"""
     try:
         arr = np.load(path, mmap_mode='r')
-        ok = arr.shape == (n, 3, size, size) and arr.dtype == np.uint8 and path.stat().st_size == arr.offset + arr.nbytes
+        ok = arr.shape == (n, 3, size,
+                           size) and arr.dtype == np.uint8 and path.stat().st_size == arr.offset + arr.nbytes
         crcs = np.loadtxt(_checksum_file(path), dtype=np.uint32, ndmin=1) if ok else None
     except (ValueError, OSError, EOFError): return None
     if not ok or len(crcs) != n: return None
-    rows = range(n) if arr.nbytes <= FULL_CHECK_BYTES else np.random.default_rng().choice(n, min(n, SAMPLE_ROWS), replace=False)
+    rows = range(n) if arr.nbytes <= FULL_CHECK_BYTES else np.random.default_rng().choice(n, min(n, SAMPLE_ROWS),
+                                                                                          replace=False)
     if any(zlib.crc32(np.ascontiguousarray(arr[i]).data) != crcs[i] for i in rows): return None
     return arr
 
@@ -132,7 +138,8 @@ def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray
     try:
         # written with plain file writes, not a memory map: a full disk is an OSError here, not a SIGBUS later
         with os.fdopen(fd, 'wb') as f:
-            np.lib.format.write_array_header_1_0(f, dict(descr='|u1', fortran_order=False, shape=(len(files), 3, size, size)))
+            np.lib.format.write_array_header_1_0(f, dict(descr='|u1', fortran_order=False,
+                                                         shape=(len(files), 3, size, size)))
             crcs = []
             for f_ in files:
                 try: row = np.ascontiguousarray(decode(f_, size).transpose(2, 0, 1))   # NCHW, as torch
@@ -145,8 +152,8 @@ def cached_split(files:list, size:int, folder:Path, name:str, error)->np.ndarray
         replace_durably(sums, _checksum_file(path))
         replace_durably(tmp, path)   # complete: only now does it have the name that is read
     except OSError as e:
-        raise CacheError(f"--cache {folder}: cannot write the decoded images ({e.strerror or e}): free space there, give "
-                         "another folder, or --cache off") from None
+        raise CacheError(f"--cache {folder}: cannot write the decoded images ({e.strerror or e}): free space there, "
+                         "give another folder, or --cache off") from None
     finally:
         tmp.unlink(missing_ok=True)
         tmp.with_name(tmp.name + '.crc32').unlink(missing_ok=True)
@@ -159,8 +166,8 @@ def _loader_class():
     from fastai.torch_core import TensorCategory, TensorImage
 
     class CachedImages(DataLoader):
-        """fastai's `DataLoader` (its shuffling `rng`, `drop_last`, device moves and batch transforms) over cached images:
-        its dataset is the range of indices, and a batch is read from the array in one indexing operation (no
+        """fastai's `DataLoader` (its shuffling `rng`, `drop_last`, device moves and batch transforms) over cached
+        images: its dataset is the range of indices, and a batch is read from the array in one indexing operation (no
         per-image decoding), as (B, 3, H, W) uint8, with its labels"""
         def __init__(self, images, labels, **kwargs):
             self.images,self.labels = images,np.asarray(labels, dtype=np.int64)
@@ -197,7 +204,8 @@ def _plain_transforms():
         "(x - mean) / std per channel, as fastai's `Normalize`, in place"
         order = 99
         def __init__(self, mean, std): super().__init__(); self.mean,self.std = mean,std
-        def _ms(self, t): return (torch.as_tensor(v, dtype=t.dtype, device=t.device).view(1, -1, 1, 1) for v in (self.mean, self.std))
+        def _ms(self, t):
+            return (torch.as_tensor(v, dtype=t.dtype, device=t.device).view(1, -1, 1, 1) for v in (self.mean, self.std))
         def encodes(self, x):
             if not isinstance(x, TensorImage): return x
             t = x.as_subclass(torch.Tensor); m,s = self._ms(t)
@@ -214,7 +222,8 @@ def batch_tfms(size:int, augment:bool, train:bool)->list:
     from fastai.vision.augment import aug_transforms
     from fastai.vision.core import imagenet_stats
     ToFloat,Normalise = _plain_transforms()
-    return [ToFloat(), *(aug_transforms(size=size, min_scale=0.75) if augment and train else []), Normalise(*imagenet_stats)]
+    return [ToFloat(), *(aug_transforms(size=size, min_scale=0.75) if augment and train else []),
+            Normalise(*imagenet_stats)]
 
 def cached_dls(train:list, valid:list, vocab:list, size:int, bs:int, folder:Path, error, augment:bool=True,
                valid_bs:int=128, device='cpu', data=None):
@@ -228,10 +237,12 @@ def cached_dls(train:list, valid:list, vocab:list, size:int, bs:int, folder:Path
     ys = lambda fs: [lab[Path(f).parent.name] for f in fs]
     tsize = math.ceil(size*MARGIN) if augment else size
     tag = hashlib.sha256(str(Path(data or Path(train[0]).parent).resolve()).encode()).hexdigest()[:8]
-    xt,xv = cached_split(train, tsize, folder, f'{tag}-train', error),cached_split(valid, size, folder, f'{tag}-valid', error)
+    xt,xv = cached_split(train, tsize, folder, f'{tag}-train',
+                         error),cached_split(valid, size, folder, f'{tag}-valid', error)
     cuda = torch.device(device).type == 'cuda'
     mk = lambda x, y, b, is_train: cls(x, y, bs=b, shuffle=is_train, drop_last=is_train, pin_memory=cuda, device=device,
-                                       after_batch=Pipeline(batch_tfms(size, augment, is_train), split_idx=0 if is_train else 1))
+                                       after_batch=Pipeline(batch_tfms(size, augment, is_train),
+                                                            split_idx=0 if is_train else 1))
     dls = DataLoaders(mk(xt, ys(train), bs, True), mk(xv, ys(valid), valid_bs, False), device=device)
     dls.vocab,dls.c = vocab,len(vocab)
     return dls
@@ -245,7 +256,8 @@ def _no_split(items): return list(range(len(items))),[]
 def inference_dls(vocab:list, size:int, device='cpu', like=None):
     """fastai `DataLoaders` with the job's inference pipeline (an image file decoded, `Resize(size)`, ImageNet
     normalisation) and `vocab`: what `learn.export` keeps, so that `load_learner(...).predict(image_file)` works. fastai
-    sets its pipeline up on one item: an image already decoded (`like`, e.g. a cached one), so no file is decoded here"""
+    sets its pipeline up on one item: an image already decoded (`like`, e.g. a cached one), so no file is decoded
+    here"""
     from fastai.data.block import CategoryBlock, DataBlock
     from fastai.data.transforms import Normalize
     from fastai.vision.augment import Resize

@@ -9,7 +9,8 @@ from torch.utils.data import TensorDataset
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 
-__all__ = ['DataError', 'DIGITS_PRETRAIN', 'DIGITS_FINETUNE', 'SPLIT_DIRS', 'digits_tensors', 'digits_dls', 'check_folder', 'folder_dls']
+__all__ = ['DataError', 'DIGITS_PRETRAIN', 'DIGITS_FINETUNE', 'SPLIT_DIRS', 'digits_tensors', 'digits_dls',
+           'check_folder', 'folder_dls']
 
 DIGITS_PRETRAIN,DIGITS_FINETUNE = (0,1,2,3,4),(5,6,7,8,9)   # pretrain on one half of the classes, transfer to the other
 IMAGE_EXTS = {'.png', '.jpg', '.jpeg', '.bmp', '.gif', '.tif', '.tiff', '.webp'}
@@ -25,7 +26,8 @@ def digits_tensors(classes=DIGITS_FINETUNE, size:int=32):
     x = torch.tensor(d.images[keep], dtype=torch.float32)[:,None]/16.          # pixel values are 0..16
     x = F.interpolate(x, size=(size,size), mode='bilinear', align_corners=False)
     x = ((x-0.5)/0.5).expand(-1,3,-1,-1).contiguous()   # 3 channels, so any RGB architecture takes it
-    y = torch.as_tensor(np.searchsorted(np.array(classes), d.target[keep]), dtype=torch.long)  # labels 0..len(classes)-1
+    # labels 0..len(classes)-1
+    y = torch.as_tensor(np.searchsorted(np.array(classes), d.target[keep]), dtype=torch.long)
     return x,y
 
 class DigitsDataset(TensorDataset):
@@ -43,7 +45,8 @@ def _as_image(x):
     from fastai.torch_core import TensorImage
     return TensorImage(x) if isinstance(x, torch.Tensor) and x.ndim == 4 else x
 
-def digits_dls(bs:int, classes=DIGITS_FINETUNE, size:int=32, valid_pct:float=0.2, seed:int=42, valid_bs:int=128, device='cpu',
+def digits_dls(bs:int, classes=DIGITS_FINETUNE, size:int=32, valid_pct:float=0.2, seed:int=42, valid_bs:int=128,
+               device='cpu',
                augment:bool=False):
     """`DataLoaders` of the embedded digits task (shuffled, last incomplete micro-batch dropped, like fastai's);
     `augment`: fastai's `aug_transforms` on the training batches, on the device, without flips or lighting (a small
@@ -56,7 +59,8 @@ def digits_dls(bs:int, classes=DIGITS_FINETUNE, size:int=32, valid_pct:float=0.2
         from fastai.data.core import Pipeline   # (fastcore.transform in fastai 2.7, fasttransform in 2.8)
         # no flips (a flipped digit is another digit, or none) and no lighting (fastai's works on [0, 1] pixels in logit
         # space, and these are already normalised to [-1, 1]: it made them nan and the accuracy 0.24)
-        aug = dict(after_batch=Pipeline([_as_image, *aug_transforms(size=size, min_scale=0.75, do_flip=False, max_lighting=0.)],
+        aug = dict(after_batch=Pipeline([_as_image, *aug_transforms(size=size, min_scale=0.75, do_flip=False,
+                                                                    max_lighting=0.)],
                                         split_idx=0))
     train = DataLoader(DigitsDataset(x[tr], y[tr]), bs=bs, shuffle=True, drop_last=True, **aug)
     valid = DataLoader(DigitsDataset(x[va], y[va]), bs=valid_bs)
@@ -74,7 +78,8 @@ def image_exts()->set:
     return IMAGE_EXTS | set(image_extensions)
 
 # what training writes into a Learner's `path` (fastai's `model_dir`, `Checkpoint`'s default and files): not classes
-TRAINING_OUTPUTS,TRAINING_FILES = ('models', 'checkpoints'),('.pt', '.pth', '.pkl', '.part')   # (.part: a write cut short)
+# (.part: a write cut short)
+TRAINING_OUTPUTS,TRAINING_FILES = ('models', 'checkpoints'),('.pt', '.pth', '.pkl', '.part')
 
 def _training_output(folder:Path)->bool:
     "A folder with no image that training wrote: `models/`, `checkpoints/`, or one holding only weights and checkpoints"
@@ -85,7 +90,9 @@ def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
     "`{class: [files]}` of the class sub-folders of `folder`, every image decoded once to check it (`decode`)"
     from PIL import Image
     classes = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith('.'))
-    if not classes: raise DataError(f"--data {path}: {folder} has no class sub-folders (expected one sub-folder of images per class)")
+    if not classes:
+        raise DataError(f"--data {path}: {folder} has no class sub-folders (expected one sub-folder of images per "
+                        "class)")
     found = {}
     for c in classes:
         files = sorted(f for f in c.rglob('*') if f.is_file() and f.suffix.lower() in image_exts())
@@ -98,21 +105,25 @@ def _class_images(path:Path, folder:Path, decode:bool=True)->dict:
         for f in (files if decode else ()):
             try:
                 with Image.open(f) as im: im.load()   # decode it all: `verify()` misses truncated files
-            except Exception as e: raise DataError(f"--data {path}: cannot read image {f} ({type(e).__name__})") from None
+            except Exception as e:
+                raise DataError(f"--data {path}: cannot read image {f} ({type(e).__name__})") from None
         found[c.name] = files
-    if not found: raise DataError(f"--data {path}: no sub-folder of {folder} holds images (expected one sub-folder of images per class)")
+    if not found:
+        raise DataError(f"--data {path}: no sub-folder of {folder} holds images (expected one sub-folder of images per "
+                        "class)")
     return found
 
 def check_folder(path, decode:bool=True)->dict:
-    """Check an image folder in either of `ImageDataLoaders.from_folder`'s layouts and return `{split: {class: [files]}}`:
-    `train/` + `valid/`, each with one sub-folder of images per class (split `train` and `valid`), or one sub-folder of
-    images per class (split `all`, divided at random by `folder_dls`). `decode`: decode every image to check it (the
-    decode cache does that as it builds, so with a cache the layout alone is checked here)"""
+    """Check an image folder in either of `ImageDataLoaders.from_folder`'s layouts and return `{split: {class:
+    [files]}}`: `train/` + `valid/`, each with one sub-folder of images per class (split `train` and `valid`), or one
+    sub-folder of images per class (split `all`, divided at random by `folder_dls`). `decode`: decode every image to
+    check it (the decode cache does that as it builds, so with a cache the layout alone is checked here)"""
     path = Path(path)
     if not path.exists():  raise DataError(f"--data {path}: no such folder")
     if not path.is_dir():  raise DataError(f"--data {path}: not a folder")
     subs = {p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith('.')}
-    if not subs: raise DataError(f"--data {path}: empty (expected one sub-folder of images per class, or train/ and valid/)")
+    if not subs:
+        raise DataError(f"--data {path}: empty (expected one sub-folder of images per class, or train/ and valid/)")
     if set(SPLIT_DIRS) <= subs:
         found = {s: _class_images(path, path/s, decode) for s in SPLIT_DIRS}
         extra = set(found['valid']) - set(found['train'])

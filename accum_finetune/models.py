@@ -73,9 +73,11 @@ def create_model(name:str, num_classes:int)->nn.Module:
 def _hub_state(name:str, weights:str)->dict:
     "State dict of torchvision weights `weights` (e.g. 'DEFAULT', 'IMAGENET1K_V1'), downloaded where the network allows"
     import torchvision.models as tvm
-    if check_arch(name) != 'torchvision': raise ArchError(f"--weights {weights}: named weights need a torchvision --arch")
+    if check_arch(name) != 'torchvision':
+        raise ArchError(f"--weights {weights}: named weights need a torchvision --arch")
     try: w = tvm.get_model_weights(name)[weights]
-    except (KeyError, ValueError): raise ArchError(f"--weights {weights}: no such torchvision weights for {name}") from None
+    except (KeyError, ValueError):
+        raise ArchError(f"--weights {weights}: no such torchvision weights for {name}") from None
     try: return w.get_state_dict(progress=False)
     except Exception as e:
         raise ArchError(f"--weights {weights}: could not download {w} ({type(e).__name__}); "
@@ -86,7 +88,8 @@ def load_weights(model:nn.Module, weights:str, arch:str)->int:
     p = Path(weights)
     if p.is_file():
         try: sd = torch.load(p, map_location='cpu', weights_only=True)
-        except Exception as e: raise ArchError(f"--weights {p}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
+        except Exception as e:
+            raise ArchError(f"--weights {p}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
         if isinstance(sd, dict) and isinstance(sd.get('model'), dict): sd = sd['model']
         if not isinstance(sd, dict): raise ArchError(f"--weights {p}: not a state dict")
     elif p.suffix or '/' in weights or weights.startswith('.'): raise ArchError(f"--weights {weights}: no such file")

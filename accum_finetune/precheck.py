@@ -1,7 +1,8 @@
-"""The command line's checks that need neither torch nor fastai, so that bad input answers in milliseconds instead of after
-torch's import: the `--data` path, whether this machine has a GPU at all (for `--device`/`--precision`), and `--arch`
-names, read from the model registries' source files. Each says "surely bad" only when it is sure; where it cannot tell
-without torch (a GPU driver present, a registry it cannot read), the full check after torch loads decides."""
+"""The command line's checks that need neither torch nor fastai, so that bad input answers in milliseconds instead of
+after torch's import: the `--data` path, whether this machine has a GPU at all (for `--device`/`--precision`), and
+`--arch` names, read from the model registries' source files. Each says "surely bad" only when it is sure; where it
+cannot tell without torch (a GPU driver present, a registry it cannot read), the full check after torch loads
+decides."""
 from __future__ import annotations
 import functools, importlib.util, os, re, sys
 from pathlib import Path
@@ -37,7 +38,8 @@ _DEPRECATED = re.compile(r'register_model_deprecations\(\s*__name__\s*,\s*\{(.*?
 
 @functools.lru_cache(maxsize=None)
 def registry_names(package:str, folder:str, recursive:bool=False)->frozenset|None:
-    "Names a package registers with a decorator in `package/folder/*.py`, read without importing it (None: not installed)"
+    """Names a package registers with a decorator in `package/folder/*.py`, read without importing it (None: not
+    installed)"""
     try: spec = importlib.util.find_spec(package)
     except (ImportError, ValueError): return None
     if spec is None or not spec.submodule_search_locations: return None
@@ -70,7 +72,8 @@ def arch_known(name:str)->bool|None:
 def unknown_arch(name:str, timm_installed:bool)->str:
     "The one-line refusal of `--arch name` (shared with `models.check_arch`)"
     if not timm_installed:
-        if name.startswith(('timm/', 'timm:')): return f"--arch {name}: timm is not installed (`pip install timm` for timm models)"
-        return (f"--arch {name}: unknown architecture (not registered, not in torchvision; timm is not installed, so timm "
-                "names are unavailable)")
+        if name.startswith(('timm/', 'timm:')):
+            return f"--arch {name}: timm is not installed (`pip install timm` for timm models)"
+        return (f"--arch {name}: unknown architecture (not registered, not in torchvision; timm is not installed, so "
+                "timm names are unavailable)")
     return f"--arch {name}: unknown architecture (not registered, not in torchvision, not in timm)"

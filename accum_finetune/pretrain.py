@@ -75,7 +75,8 @@ def _train(arch:str, size:int, path:Path, progress:bool=False):
     import zlib
     from accum_callback.core.files import atomic_write
     set_seed(PRETRAIN['seed'], reproducible=True)
-    dls = digits_dls(PRETRAIN['bs'], DIGITS_PRETRAIN, size, valid_pct=0.1, seed=PRETRAIN['seed']).cpu()   # fastai's default is the GPU
+    # fastai's default is the GPU
+    dls = digits_dls(PRETRAIN['bs'], DIGITS_PRETRAIN, size, valid_pct=0.1, seed=PRETRAIN['seed']).cpu()
     learn = Learner(dls, create_model(arch, dls.c), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     with learn.no_logging(), (learn.no_bar() if not progress else contextlib.nullcontext()):
         learn.fit_one_cycle(PRETRAIN['epochs'], PRETRAIN['lr'])

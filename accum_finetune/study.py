@@ -51,7 +51,8 @@ def summarize(df:pd.DataFrame, pretrained:bool=True)->pd.DataFrame:
     g = df.groupby(['config', 'micro_bs', 'bn'], sort=False)['accuracy'].agg(['mean', 'std', 'count']).reset_index()
     ref = g.loc[g.config == 'large batch', 'mean']
     g['gap_pts'] = ((g['mean']-ref.iloc[0])*100).round(2) if len(ref) else float('nan')
-    g['auto'] = [r.bn == auto_bn(r.micro_bs, 2, pretrained) if r.config != 'large batch' else True for r in g.itertuples()]
+    g['auto'] = [r.bn == auto_bn(r.micro_bs, 2, pretrained) if r.config != 'large batch' else True
+                 for r in g.itertuples()]
     return g
 
 def plot_study(df:pd.DataFrame, fname=None, ax=None):
@@ -65,7 +66,8 @@ def plot_study(df:pd.DataFrame, fname=None, ax=None):
     w = 0.8/max(len(cfgs), 1)
     for i,c in enumerate(cfgs):
         d = micro[micro.config == c].set_index('bn').reindex(modes)
-        ax.bar([j+i*w for j in range(len(modes))], d['mean'], w, yerr=d['std'].fillna(0), capsize=3, label=f'micro-batch {c}')
+        ax.bar([j+i*w for j in range(len(modes))], d['mean'], w, yerr=d['std'].fillna(0), capsize=3,
+               label=f'micro-batch {c}')
     if len(ref):
         m = ref['mean'].iloc[0]
         ax.axhline(m, color='k', ls='--', lw=1, label=f'large batch {int(ref.micro_bs.iloc[0])}: {m:.3f}')

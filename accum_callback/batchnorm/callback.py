@@ -19,7 +19,8 @@ from .window_stats import WINDOW_MODES, WindowMode
 from .pool import PooledStats, RecomputeGuard, accumulated_momentum, pooled_mean_var   # (re-exported)
 from ..core.args import whole_number
 
-__all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats', 'RecomputeGuard']
+__all__ = ['BatchNormAccumulation', 'BN_MODES', 'MODES', 'accumulated_momentum', 'pooled_mean_var', 'PooledStats',
+           'RecomputeGuard']
 
 # -- modes: what BatchNormAccumulation does at the start of fit, per micro-batch, per window and at the end -----------
 class _Mode:
@@ -50,7 +51,8 @@ class Pool(_Mode):
         # SyncBatchNorm, whose statistics cover all ranks already), so its running statistics are one process's
         ranks = self.cb.ga is not None and self.cb.ga.window_over_ranks and process_count() > 1
         for g in groups.values():
-            bank = PooledStats(g, [bn.momentum for bn in g], cap, staged, ranks and all(sync_batchnorm_world(bn) == 1 for bn in g))
+            bank = PooledStats(g, [bn.momentum for bn in g], cap, staged,
+                               ranks and all(sync_batchnorm_world(bn) == 1 for bn in g))
             for l,bn in enumerate(g):
                 pre,post = bank.hooks(l)
                 self.handles += [bn.register_forward_pre_hook(pre), bn.register_forward_hook(post)]
@@ -203,9 +205,9 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
       sums (`window_stats`): each step's gradient and the running statistics are the large batch's; past
       `WINDOW_EXACT_MAX_LAYERS` layers the approximate variant ('window-approx': the backward's statistics terms from
       the micro-batch's own sums), said at fit start. A window is one loader batch cut by `MicroBatching(size)`.
-    `precise=N` (any mode but 'freeze'): at the end of every training epoch (before validation, so at the end of fit too)
-    every BatchNorm layer's running statistics are recomputed from N training items with the current weights, pooled
-    exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md).
+    `precise=N` (any mode but 'freeze'): at the end of every training epoch (before validation, so at the end of fit
+    too) every BatchNorm layer's running statistics are recomputed from N training items with the current weights,
+    pooled exactly over the micro-batches and the ranks (`update_bn_stats`); nothing else changes (docs/batchnorm.md).
     `precise_at='end'`: at the last epoch's end only (and at the end of a fit cancelled before it), for a fraction of
     the cost where only the final model's statistics matter; earlier validations read the running statistics."""
     order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # reads `GradientAccumulation`'s window
@@ -213,22 +215,30 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     def __init__(self,
         mode:str|Freeze|Groups|Renorm='pool', # one of `BN_MODES`, or a mode's options: `Freeze`, `Groups`, `Renorm`
         *,
-        precise:int|None=None, # at the end of each training epoch, recompute the running statistics from this many training items with the current weights (`update_bn_stats`)
-        precise_at:str='epoch', # when: 'epoch' (every epoch's end, before its validation) or 'end' (the last epoch's only: earlier validations read the running statistics)
+        # at the end of each training epoch, recompute the running statistics from this many training items with the
+        # current weights (`update_bn_stats`)
+        precise:int|None=None,
+        # when: 'epoch' (every epoch's end, before its validation) or 'end' (the last epoch's only: earlier
+        # validations read the running statistics)
+        precise_at:str='epoch',
         **moved, # 0.2's `train_affine`, `num_groups`, `r_max`, `d_max`, `warmup`, `ramp`: refused, saying 0.3's
     ):
         if moved: _refuse_moved(moved)
         self.mode,self.options = _mode_and_options(mode)
         if precise is not None:
             whole_number(precise, 'precise')
-            if self.mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, and "
-                                                       "precise statistics would replace them: give one or the other")
-        if precise_at not in PRECISE_AT: raise ValueError(f"`precise_at` must be one of {PRECISE_AT}, got {precise_at!r}")
+            if self.mode == 'freeze': raise ValueError("`precise`: 'freeze' keeps the running statistics as they are, "
+                                                       "and precise statistics would replace them: give one or the "
+                                                       "other")
+        if precise_at not in PRECISE_AT:
+            raise ValueError(f"`precise_at` must be one of {PRECISE_AT}, got {precise_at!r}")
         self.precise,self.precise_at = precise,precise_at
         self.ga,self.active,self._warned = None,None,False
 
     @property
-    def converts(self)->bool: "Does this mode replace the BatchNorm layers ('groupnorm', 'renorm')?"; return issubclass(MODES[self.mode], _Convert)
+    def converts(self)->bool:
+        "Does this mode replace the BatchNorm layers ('groupnorm', 'renorm')?"
+        return issubclass(MODES[self.mode], _Convert)
 
     def convert(self, model):
         """The model as this mode trains it: its BatchNorm layers replaced for 'groupnorm'/'renorm' (in place, the
@@ -238,7 +248,8 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
 
     # -- fit --------------------------------------------------------------------------------------------------------
     def before_fit(self):
-        # `validate`/`get_preds`/`predict` send `before_fit` too, holding the Learner's lock: no conversion, no hooks and
+        # `validate`/`get_preds`/`predict` send `before_fit` too, holding the Learner's lock: no conversion, no hooks
+        # and
         # no raise there (a raise would leave the lock held); everything happens when training starts
         if in_inference(self.learn): return
         refuse_at_fit_start(self.learn)   # (ours and the other callbacks of ours: before anything is set up)
@@ -261,21 +272,26 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
         add_fit_guard(self.learn, 'batch_norm_accumulation', lambda e: isinstance(e, CANCELS) or self._restore())
 
     def refuse_fit(self):
-        "What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to read, a conversion of a sharded model"
+        """What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to read, a conversion of a sharded
+        model"""
         mode = MODES[self.mode]
-        if hasattr(mode, 'refuse') and any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs): mode.refuse(self.learn, self.mode)
+        if hasattr(mode, 'refuse') and any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
+            mode.refuse(self.learn, self.mode)
         if mode.needs_windows and not any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
             other = any(isinstance(cb, FastaiGradientAccumulation) for cb in self.learn.cbs)
             raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}) reads the accumulation windows from "
                              "`accum_callback.GradientAccumulation`, which is not in this fit" +
-                             (" (fastai's `fastai.callback.training.GradientAccumulation` is, and has no windows to read)" if other else "") +
-                             ": add `accum_callback.GradientAccumulation(n_step=...)` to the Learner's callbacks or to this "
-                             "`fit(cbs=...)`, or call `learn.accumulate(...)`")
-        if issubclass(mode, _Convert) and fsdp_modules(self.model) and any(is_batchnorm(m) for m in self.model.modules()):
+                             (" (fastai's `fastai.callback.training.GradientAccumulation` is, and has no windows to "
+                              "read)" if other else "") +
+                             ": add `accum_callback.GradientAccumulation(n_step=...)` to the Learner's callbacks or to "
+                             "this `fit(cbs=...)`, or call `learn.accumulate(...)`")
+        if issubclass(mode, _Convert) and fsdp_modules(self.model) and any(is_batchnorm(m)
+                                                                           for m in self.model.modules()):
             raise ValueError(f"BatchNormAccumulation(mode={self.mode!r}): the model is sharded with FSDP2, whose "
                              "parameter groups a conversion would break. Convert before sharding: `learn.to_fsdp()` "
-                             f"does it when this callback is on the Learner, or call `{'bn_to_groupnorm' if self.mode == 'groupnorm' else 'bn_to_batchrenorm'}"
-                             "(model)` before `fully_shard`")
+                             "does it when this callback is on the Learner, or call "
+                             f"`{'bn_to_groupnorm' if self.mode == 'groupnorm' else 'bn_to_batchrenorm'}(model)` "
+                             "before `fully_shard`")
 
     def after_fit(self):
         if in_inference(self.learn): return
@@ -296,8 +312,8 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
         self._recomputed = True
 
     def _warn_none(self):
-        if not self._warned: warnings.warn(f"BatchNormAccumulation(mode={self.mode!r}): the model has no BatchNorm layer; "
-                                           "nothing changed", stacklevel=2)
+        if not self._warned: warnings.warn(f"BatchNormAccumulation(mode={self.mode!r}): the model has no BatchNorm "
+                                           "layer; nothing changed", stacklevel=2)
         self._warned = True
 
     def _restore(self):
@@ -309,14 +325,17 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
         remove_fit_guard(self.learn, 'batch_norm_accumulation')
 
     def _tag_norm_params(self):
-        "fastai picks BatchNorm parameters by type for `train_bn`/`wd_bn_bias`: give converted layers the same treatment"
+        """fastai picks BatchNorm parameters by type for `train_bn`/`wd_bn_bias`: give converted layers the same
+        treatment"""
         opt = getattr(self.learn, 'opt', None)
         if opt is None: return
         ps = {id(p) for m in self.model.modules() if is_converted_norm(m) for p in m.parameters()}
         for p,_,state,_ in opt.all_params():
             if id(p) not in ps: continue
             if not getattr(self.learn, 'wd_bn_bias', False): state['do_wd'] = False
-            if getattr(self.learn, 'train_bn', True) and not state.get('force_train'): state['force_train'] = True; p.requires_grad_(True)
+            if getattr(self.learn, 'train_bn', True) and not state.get('force_train'):
+                state['force_train'] = True
+                p.requires_grad_(True)
 
     # -- events -----------------------------------------------------------------------------------------------------
     def before_train(self):
@@ -332,21 +351,28 @@ class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
     def after_backward(self):
         if self.active is not None: self.active.after_backward()
     resume_keys = ('BatchNorm mode',)
-    def resume_signature(self)->dict: "A resume must treat BatchNorm as this fit does"; return {'BatchNorm mode': self.mode}
-    def keeps_running_stats(self)->bool: "'freeze' leaves the running statistics as they are"; return self.mode == 'freeze'
-    def window_normalises(self)->bool: "'window' modes: a micro-batch of one item is normalised by its window"; return self.mode in WINDOW_MODES
-    def pools_over_ranks(self)->bool: "'pool' pools a `global_window` run's window over all ranks (`PooledStats.over_ranks`)"; return self.mode == 'pool'
+    def resume_signature(self)->dict:
+        "A resume must treat BatchNorm as this fit does"; return {'BatchNorm mode': self.mode}
+    def keeps_running_stats(self)->bool:
+        "'freeze' leaves the running statistics as they are"; return self.mode == 'freeze'
+    def window_normalises(self)->bool:
+        "'window' modes: a micro-batch of one item is normalised by its window"; return self.mode in WINDOW_MODES
+    def pools_over_ranks(self)->bool:
+        "'pool' pools a `global_window` run's window over all ranks (`PooledStats.over_ranks`)"
+        return self.mode == 'pool'
 
     def state_dict(self)->dict:
         """What a window in progress holds ('pool': its micro-batches' statistics; 'momentum': the momenta in force),
         and each Batch Renorm layer's count of training forwards (it drives `r_max`/`d_max`'s ramp; not in the model's
         state dict)"""
-        return dict(active=self.active.state() if self.active is not None else None, recomputed=getattr(self, '_recomputed', True),
+        return dict(active=self.active.state() if self.active is not None else None,
+                    recomputed=getattr(self, '_recomputed', True),
                     renorm_steps={n: m.renorm_steps for n,m in self._renorm_layers().items()})
     def load_state_dict(self, sd:dict):
         steps,layers = sd.get('renorm_steps', {}),self._renorm_layers()   # (a checkpoint of 0.3.0 has none)
         if not (isinstance(steps, dict) and all(n in layers and type(v) is int and v >= 0 for n,v in steps.items())):
-            raise ValueError(f"BatchNormAccumulation: renorm_steps {steps!r:.120} do not fit this model's Batch Renorm layers")
+            raise ValueError(f"BatchNormAccumulation: renorm_steps {steps!r:.120} do not fit this model's Batch Renorm "
+                             "layers")
         if self.active is not None and sd['active'] is not None: self.active.load_state(sd['active'])
         self._recomputed = sd['recomputed']
         for n,v in steps.items(): layers[n].renorm_steps = v

@@ -9,7 +9,8 @@ from typing import ClassVar
 
 __all__ = ['BN_MODES', 'BN_OPTIONS', 'Freeze', 'Groups', 'Renorm']
 
-BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm', 'window', 'window-approx')   # `accum_callback.batchnorm.MODES` maps each to its class
+# `accum_callback.batchnorm.MODES` maps each to its class
+BN_MODES = ('pool', 'momentum', 'freeze', 'groupnorm', 'renorm', 'window', 'window-approx')
 
 def _refuse(ok:bool, owner:str, field:str, v, want:str, fix:str):
     if not ok: raise ValueError(f"`{owner}.{field}` must be {want}, got {v!r}: {fix}")

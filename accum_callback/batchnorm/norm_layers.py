@@ -10,7 +10,8 @@ from ..compat.torch import BatchNormBase, foreach, module_dicts
 from ..core.args import whole_number
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
-           'ConvertedGroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm', 'set_norm_mode']
+           'ConvertedGroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm',
+           'set_norm_mode']
 
 def _real(v, name:str, lo:float)->float:
     if isinstance(v, bool) or not isinstance(v, Real): raise TypeError(f"`{name}` must be a number >= {lo}, got {v!r}")
@@ -19,7 +20,8 @@ def _real(v, name:str, lo:float)->float:
 
 # -- module conversion ------------------------------------------------------------------------------------------------
 def _convert(module:nn.Module, fn, name:str='', memo=None)->nn.Module:
-    "Replace each `BatchNormBase` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays shared"
+    """Replace each `BatchNormBase` below (or at) `module` by `fn(bn, name)`; a layer shared by several parents stays
+    shared"""
     memo = {} if memo is None else memo
     if is_batchnorm(module):
         if id(module) not in memo: memo[id(module)] = fn(module, name or '<root>')
@@ -40,7 +42,8 @@ def set_norm_mode(layer:nn.Module, training:bool)->nn.Module:
     return layer
 
 def is_batchnorm(m)->bool:
-    "A BatchNorm layer to convert or treat (1d/2d/3d, SyncBatchNorm, timm's norm-act; a `BatchRenorm` is one to fastai, not here)"
+    """A BatchNorm layer to convert or treat (1d/2d/3d, SyncBatchNorm, timm's norm-act; a `BatchRenorm` is one to
+    fastai, not here)"""
     return isinstance(m, BatchNormBase) and not isinstance(m, BatchRenorm)
 
 def is_converted_norm(m)->bool:
@@ -66,9 +69,9 @@ def bn_to_groupnorm(
     num_groups:int=32, # most groups per layer: each layer gets the largest count <= this that divides its channels
 )->nn.Module:
     """Replace every BatchNorm (1d/2d/3d, SyncBatchNorm) in `module` by `nn.GroupNorm`, in place, and return the root
-    (a new module only when `module` itself is a BatchNorm). The GroupNorm reuses the BatchNorm's own `weight` and `bias`
-    Parameter objects, so an optimizer, fastai param groups, freeze/unfreeze and discriminative learning rates built
-    on the model keep working; device, dtype, `training` and `requires_grad` are kept. Running statistics are
+    (a new module only when `module` itself is a BatchNorm). The GroupNorm reuses the BatchNorm's own `weight` and
+    `bias` Parameter objects, so an optimizer, fastai param groups, freeze/unfreeze and discriminative learning rates
+    built on the model keep working; device, dtype, `training` and `requires_grad` are kept. Running statistics are
     discarded: one warning when any were not at their initial values.
 
     GroupNorm accepts `(N,C)` input too (a `BatchNorm1d` head): each group is then normalised over its `C/groups`
@@ -83,7 +86,8 @@ def bn_to_groupnorm(
     stats,single = [],[]
     def fn(bn, name):
         g = _groups(bn.num_features, num_groups)
-        gn = (ConvertedGroupNormAct if _is_norm_act(bn) else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
+        gn = (ConvertedGroupNormAct if _is_norm_act(bn)
+              else nn.GroupNorm)(g, bn.num_features, eps=bn.eps, affine=bn.affine, **_factory(bn))
         if bn.affine: gn.weight,gn.bias = bn.weight,bn.bias
         _keep_act(bn, gn)
         gn._from_bn = True   # lets `BatchNormAccumulation` give it fastai's BatchNorm treatment (train_bn, wd_bn_bias)
@@ -100,11 +104,11 @@ def bn_to_groupnorm(
 class BatchRenorm(BatchNormBase):
     """Batch Renormalization (Ioffe, 2017) for (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input: a `BatchNormBase` with
     BatchNorm's parameters, buffers and state-dict keys. Training normalises with the batch statistics corrected towards
-    the running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d = (mean_B-mean)/std`
-    clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`, `d_max` start at 1, 0
-    (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over `ramp` forwards.
-    `BatchRenorm1d/2d/3d` are also `nn.BatchNorm1d/2d/3d`, so fastai treats them as BatchNorm (`BnFreeze`, `train_bn`,
-    `wd_bn_bias`); the converters pick the one matching the layer they replace."""
+    the running ones, `(x-mean_B)/std_B*r + d`, with `r = std_B/std` clipped to [1/r_max, r_max] and `d =
+    (mean_B-mean)/std` clipped to [-d_max, d_max], both without gradient; evaluation is exactly BatchNorm's. `r_max`,
+    `d_max` start at 1, 0 (plain BatchNorm) for `warmup` training forwards, then ramp linearly to their values over
+    `ramp` forwards. `BatchRenorm1d/2d/3d` are also `nn.BatchNorm1d/2d/3d`, so fastai treats them as BatchNorm
+    (`BnFreeze`, `train_bn`, `wd_bn_bias`); the converters pick the one matching the layer they replace."""
     def __init__(self,
         num_features:int, # channels C
         eps:float=1e-5, # added to the variance
@@ -117,14 +121,18 @@ class BatchRenorm(BatchNormBase):
         ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
         device=None, dtype=None):
         num_features = whole_number(num_features, 'num_features', lo=0)   # 0: fastai's collab net has such a BatchNorm
-        r_max,d_max,warmup,ramp = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.),whole_number(warmup, 'warmup', lo=0),whole_number(ramp, 'ramp', lo=0)
+        r_max,d_max,warmup,ramp = _real(r_max, 'r_max',
+                                        1.),_real(d_max, 'd_max',
+                                                  0.),whole_number(warmup, 'warmup',
+                                                                   lo=0),whole_number(ramp, 'ramp', lo=0)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
         self.fused = True   # compute in the input's precision; False: through a float32 copy (`_renorm`'s reference)
 
     def _check_input_dim(self, x):
-        if x.dim() not in (2,3,4,5): raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
+        if x.dim() not in (2,3,4,5):
+            raise ValueError(f"BatchRenorm expects (N,C), (N,C,L), (N,C,H,W) or (N,C,D,H,W) input, got {x.dim()}-D")
 
     def limits(self)->tuple[float,float]:
         "`(r_max, d_max)` in force now"
@@ -134,7 +142,8 @@ class BatchRenorm(BatchNormBase):
 
     def forward(self, x:torch.Tensor)->torch.Tensor:
         self._check_input_dim(x)
-        if x.shape[1] != self.num_features: raise ValueError(f"BatchRenorm({self.num_features}) got {x.shape[1]} channels")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"BatchRenorm({self.num_features}) got {x.shape[1]} channels")
         rm,rv = self.running_mean,self.running_var
         if not (self.training and self.track_running_stats and rm is not None):
             # BatchNorm's own paths: evaluation with running statistics, or batch statistics without them
@@ -142,7 +151,8 @@ class BatchRenorm(BatchNormBase):
             return F.batch_norm(x, rm if use else None, rv if use else None, self.weight, self.bias,
                                 self.training or rm is None, 0., self.eps)
         n = x.numel() // x.shape[1]
-        if n < 2: raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+        if n < 2:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
         r_max,d_max = self.limits()
         self.renorm_steps += 1
         self.num_batches_tracked.add_(1)
@@ -157,18 +167,20 @@ class BatchRenorm(BatchNormBase):
 
 def _batch_stats(x)->tuple[torch.Tensor,torch.Tensor]:
     """Per-channel batch mean and biased variance: BatchNorm's own statistics kernel on a CPU or a GPU (Welford, any
-    memory format; float32 for a half-precision input on a GPU; 4x faster than `torch.var_mean` on a CPU), else `var_mean`"""
+    memory format; float32 for a half-precision input on a GPU; 4x faster than `torch.var_mean` on a CPU), else
+    `var_mean`"""
     if x.device.type in ('cpu', 'cuda'): return torch.batch_norm_update_stats(x, None, None, 0.)
     var,mean = torch.var_mean(x, dim=[0, *range(2, x.dim())], correction=0)
     return mean,var
 
 def _renorm(x, w, b, rm, rv, eps, r_max, d_max, m, fp32=False):
     """(x-mean_B)/std_B*r + d, then the affine, differentiating through the batch statistics as Batch Renorm does (r and
-    d constants to the backward). One reduction for the batch statistics (`_batch_stats`), five `_foreach` ops for r and d (clipped) of
-    every channel, then BatchNorm's own kernel (cuDNN on a GPU; it needs a weight and a bias to be chosen) with weight
-    w*r and bias w*d + b, which also moves the running statistics as BatchNorm does (unbiased variance, momentum `m`).
-    At the warm-up limits (1, 0) it is BatchNorm's call alone. In the input's precision (no copy of the activations),
-    or with `fp32` through a float32 copy and back (the reference `tests/test_cuda.py` compares the first against)"""
+    d constants to the backward). One reduction for the batch statistics (`_batch_stats`), five `_foreach` ops for r and
+    d (clipped) of every channel, then BatchNorm's own kernel (cuDNN on a GPU; it needs a weight and a bias to be
+    chosen) with weight w*r and bias w*d + b, which also moves the running statistics as BatchNorm does (unbiased
+    variance, momentum `m`). At the warm-up limits (1, 0) it is BatchNorm's call alone. In the input's precision (no
+    copy of the activations), or with `fp32` through a float32 copy and back (the reference `tests/test_cuda.py`
+    compares the first against)"""
     xf = x.float() if fp32 and x.dtype not in (torch.float32, torch.float64) else x
     if r_max == 1 and d_max == 0: return F.batch_norm(xf, rm, rv, w, b, True, m, eps).to(x.dtype)
     with torch.no_grad():
@@ -184,7 +196,8 @@ def _renorm(x, w, b, rm, rv, eps, r_max, d_max, m, fp32=False):
 
 # timm's norm-act layers (`BatchNormAct2d`, a BatchNorm2d subclass used by EfficientNet, RegNet, ...) apply dropout and
 # an activation after normalising: a conversion that dropped them would silently change the network.
-def _is_norm_act(bn)->bool: return isinstance(getattr(bn, 'act', None), nn.Module) and isinstance(getattr(bn, 'drop', None), nn.Module)
+def _is_norm_act(bn)->bool:
+    return isinstance(getattr(bn, 'act', None), nn.Module) and isinstance(getattr(bn, 'drop', None), nn.Module)
 def _keep_act(bn, new):
     if _is_norm_act(bn): new.drop,new.act = bn.drop,bn.act
 
@@ -203,10 +216,14 @@ class BatchRenorm3d(BatchRenorm, nn.BatchNorm3d):
     def _check_input_dim(self, x): nn.BatchNorm3d._check_input_dim(self, x)
 
 class ConvertedGroupNormAct(_NormAct, nn.GroupNorm):
-    "`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer (timm's `GroupNormAct` is built otherwise)"
-GroupNormAct = ConvertedGroupNormAct   # (its 0.2 name, which timm's class of another constructor also has: pickles load)
-class BatchRenormAct(_NormAct, BatchRenorm): "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
-class BatchRenormAct2d(_NormAct, BatchRenorm2d): "`BatchRenorm2d` followed by the `drop` and `act` of a converted timm norm-act layer"
+    """`nn.GroupNorm` followed by the `drop` and `act` of a converted timm norm-act layer (timm's `GroupNormAct` is
+    built otherwise)"""
+# (its 0.2 name, which timm's class of another constructor also has: pickles load)
+GroupNormAct = ConvertedGroupNormAct
+class BatchRenormAct(_NormAct, BatchRenorm):
+    "`BatchRenorm` followed by the `drop` and `act` of a converted timm norm-act layer"
+class BatchRenormAct2d(_NormAct, BatchRenorm2d):
+    "`BatchRenorm2d` followed by the `drop` and `act` of a converted timm norm-act layer"
 
 def _renorm_cls(bn):
     "The BatchRenorm class that replaces `bn`: the same BatchNorm dimension, so fastai's type checks still match"
@@ -239,7 +256,8 @@ def bn_to_batchrenorm(
     kw = dict(r_max=r_max, d_max=d_max, warmup=warmup, ramp=ramp)
     BatchRenorm(1, **kw)   # validate before touching the model
     def fn(bn, name):
-        new = _renorm_cls(bn)(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw, **_factory(bn))
+        new = _renorm_cls(bn)(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **kw,
+                              **_factory(bn))
         if bn.affine: new.weight,new.bias = bn.weight,bn.bias
         _keep_act(bn, new)
         new.running_mean,new.running_var,new.num_batches_tracked = bn.running_mean,bn.running_var,bn.num_batches_tracked

@@ -1,7 +1,7 @@
 """BatchNorm's running statistics under accumulation, the estimator and its hooks: the momentum rule
-(`accumulated_momentum`), the pooled statistics of a window's micro-batches ('pool': `PooledStats`, through the package's
-one pooled estimator, `pooled_mean_var` over `precise.pooled_moments`), and `RecomputeGuard`, which keeps activation
-checkpointing from counting a micro-batch twice. `batchnorm/callback.py`'s modes and callback use them."""
+(`accumulated_momentum`), the pooled statistics of a window's micro-batches ('pool': `PooledStats`, through the
+package's one pooled estimator, `pooled_mean_var` over `precise.pooled_moments`), and `RecomputeGuard`, which keeps
+activation checkpointing from counting a micro-batch twice. `batchnorm/callback.py`'s modes and callback use them."""
 from __future__ import annotations
 from numbers import Real
 
@@ -26,7 +26,8 @@ def accumulated_momentum(
     """
     k = whole_number(k, 'k')
     if m is None: return None
-    if isinstance(m, bool) or not isinstance(m, Real) or not 0 <= m <= 1: raise ValueError(f"`m` must be in [0, 1] or None, got {m!r}")
+    if isinstance(m, bool) or not isinstance(m, Real) or not 0 <= m <= 1:
+        raise ValueError(f"`m` must be in [0, 1] or None, got {m!r}")
     return 1 - (1-float(m))**(1/k)
 
 def pooled_mean_var(
@@ -101,7 +102,8 @@ class PooledStats:
         St = torch.zeros(cap, 2, sum(self.sizes), device=self.device, dtype=self.dtype)
         if self.stage is not None: St[:len(self.stage)].copy_(self.stage)
         self.stage = St
-        self.stage_views = [[(St[j, 0, o:o+c], St[j, 1, o:o+c]) for j in range(cap)] for o,c in zip(self.offsets, self.sizes)]
+        self.stage_views = [[(St[j, 0, o:o+c], St[j, 1, o:o+c]) for j in range(cap)] for o,
+                            c in zip(self.offsets, self.sizes)]
 
     def hooks(self, l:int):
         "Forward pre-hook and hook of layer `l`: its buffers swapped for the next free slot, then put back"
@@ -146,7 +148,8 @@ class PooledStats:
         if self.staged and counted: self._unstage()
         for l,n in self.pending:
             if counted: self.counts[l].append(n)
-            elif not self.staged:   # rare (another callback cancelled the backward): its graph is gone, so the slot can be cleared
+            # rare (another callback cancelled the backward): its graph is gone, so the slot can be cleared
+            elif not self.staged:
                 self.n_pend[l] -= 1
                 for v in self.views[l][len(self.counts[l]) + self.n_pend[l]]: v.zero_()
         self.pending,self.n_pend = [],[0]*len(self.bns)
@@ -234,7 +237,8 @@ class PooledStats:
         samples on any number of processes): each rank's pooled items, mean and m2 gathered, then pooled again. A layer
         that ran on no rank keeps a fake count of 2 on zero statistics (its weight is 0)"""
         import torch.distributed as dist
-        ran = torch.tensor([float(bool(c)) for c in self.counts], dtype=n.dtype, device=n.device).index_select(0, self.chan_layer)
+        ran = torch.tensor([float(bool(c)) for c in self.counts], dtype=n.dtype,
+                           device=n.device).index_select(0, self.chan_layer)
         tot,mu,m2 = pooled_moments(n, mean, (n-1).clamp_min(0)*var)
         mine = torch.stack([tot*ran, mu*ran, m2*ran])
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -254,8 +258,8 @@ class RecomputeGuard:
     """Activation checkpointing (`torch.utils.checkpoint`, reentrant or not) runs a block's forward again during the
     backward. A BatchNorm layer in training mode then updates its running statistics a second time (pytorch#96136), and
     'pool' would pool the same items twice. While the guard is on (from `before_backward` to `after_backward`: `start`,
-    `stop`), the first forward of each layer keeps a copy of its running buffers, put back when the backward is over: the
-    recomputation normalises with the micro-batch's statistics as the first forward did, and the running statistics
+    `stop`), the first forward of each layer keeps a copy of its running buffers, put back when the backward is over:
+    the recomputation normalises with the micro-batch's statistics as the first forward did, and the running statistics
     count each micro-batch once. (A copy put back, not buffers swapped around the forward: the non-reentrant form stops
     a recomputation as soon as it has what the backward needs, inside the forward, so a forward hook may never run.)
     `recomputed` counts the forwards it caught."""
@@ -267,7 +271,8 @@ class RecomputeGuard:
         if not (self.on and bn.training): return
         self.recomputed += 1
         if bn not in self.kept:
-            self.kept[bn] = [(t, t.clone()) for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None]
+            self.kept[bn] = [(t, t.clone()) for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+                             if t is not None]
     def start(self): self.stop(); self.on = True
     @torch.no_grad()
     def stop(self):

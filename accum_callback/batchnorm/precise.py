@@ -22,7 +22,8 @@ from ..micro.loader import loader_pieces
 from ..micro.pieces import piece_bounds, slice_batch
 from .norm_layers import set_norm_mode
 
-__all__ = ['pooled_moments', 'Unrecorded', 'rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept', 'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
+__all__ = ['pooled_moments', 'Unrecorded', 'rngs_kept', 'rng_states', 'set_rng_states', 'recorder_kept',
+           'PopulationStats', 'precise_bn_stats', 'update_bn_stats', 'bn_layers_with_stats', 'trained_bn_layers',
            'training_items']
 
 def pooled_moments(n:torch.Tensor, mean:torch.Tensor, m2:torch.Tensor, tot=None)->tuple:
@@ -49,12 +50,14 @@ class PopulationStats:
     unbiased (BatchNorm's running convention)"""
     def __init__(self): self.n,self.mu,self.m2 = 0.,None,None
     @property
-    def s1(self): "The per-channel sum (None before the first micro-batch)"; return None if self.mu is None else self.mu*self.n
+    def s1(self):
+        "The per-channel sum (None before the first micro-batch)"; return None if self.mu is None else self.mu*self.n
     def update(self, mean:torch.Tensor, var:torch.Tensor, n:int):
         mean,m2 = mean.double(),var.double()*n
         if self.mu is None: self.n,self.mu,self.m2 = float(n),mean,m2; return
         tot = self.n + n
-        _,self.mu,self.m2 = pooled_moments(mean.new_tensor([[self.n], [float(n)]]), torch.stack([self.mu, mean]), torch.stack([self.m2, m2]), tot)
+        _,self.mu,self.m2 = pooled_moments(mean.new_tensor([[self.n], [float(n)]]), torch.stack([self.mu, mean]),
+                                           torch.stack([self.m2, m2]), tot)
         self.n = tot
     def sum_over_ranks(self):
         "Every rank's items together (two all-reduces: the counts and sums, then the deviations about the global mean)"
@@ -75,9 +78,9 @@ class PopulationStats:
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)   # exactly these: their running update is torch's own
 
 def _pooled(seen:list)->PopulationStats:
-    """The micro-batches' (mean, population variance, n) pooled exactly in float64: the mean of all items, and the sum of
-    squared deviations as each micro-batch's own plus its mean's about the whole mean (two passes over the per-channel
-    figures, none over the activations)"""
+    """The micro-batches' (mean, population variance, n) pooled exactly in float64: the mean of all items, and the sum
+    of squared deviations as each micro-batch's own plus its mean's about the whole mean (two passes over the
+    per-channel figures, none over the activations)"""
     s = PopulationStats()
     if not seen: return s
     mean = torch.stack([m for m,_,_ in seen]).double()
@@ -105,14 +108,16 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     in training). The statistics are float64 sums of each micro-batch's statistics, computed in the input's precision
     (float32 at least). Nothing of the model changes: modes, buffers and Batch Renorm's step counters are put back, and
     every RNG. `ctx()` wraps each forward (autocast, say). Under DDP or FSDP2 (a sharded model or a running process
-    group with a distributed `model`) the statistics are every rank's: every rank must pass the same number of batches."""
+    group with a distributed `model`) the statistics are every rank's: every rank must pass the same number of
+    batches."""
     forward = forward or (lambda xb: model(*xb))
     bns = trained_bn_layers(model) if layers is None else list(layers)
     n_items = 0
     seen = {bn: [] for bn in bns}   # each micro-batch's (mean, population variance, items a channel)
     recording = [True]   # (off for an `Unrecorded` batch: a rank's padding)
     modes = [(m, m.training) for m in model.modules()]
-    bufs = [(t, t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None]
+    bufs = [(t, t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+            if t is not None]
     steps = [(m, m.renorm_steps) for m in bns if hasattr(m, 'renorm_steps')]
     moms = [(bn, bn.momentum) for bn in bns]
     def own(bn):
@@ -156,10 +161,12 @@ def precise_bn_stats(model:nn.Module, batches, forward=None, ctx=contextlib.null
     stats = _Stats({bn: _pooled(seen[bn]) for bn in bns})
     if is_distributed(model) and dist.is_available() and dist.is_initialized():
         for bn,s in stats.items():   # (every rank joins, one that ran no item of a layer with zeros)
-            if s.s1 is None: s.n,s.mu,s.m2 = 0.,*[bn.running_mean.new_zeros(bn.running_mean.shape, dtype=torch.float64)]*2
+            if s.s1 is None:
+                s.n,s.mu,s.m2 = 0.,*[bn.running_mean.new_zeros(bn.running_mean.shape, dtype=torch.float64)]*2
             s.sum_over_ranks()
             if s.n == 0: s.mu = s.m2 = None
-        t = torch.tensor([float(n_items)], dtype=torch.float64, device=next(iter(stats)).running_mean.device if stats else 'cpu')
+        t = torch.tensor([float(n_items)], dtype=torch.float64,
+                         device=next(iter(stats)).running_mean.device if stats else 'cpu')
         dist.all_reduce(t); n_items = int(t.item())
     stats.n_items = n_items
     return stats
@@ -187,7 +194,8 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=
     world = (process_count() if is_distributed(learn.model) else 1) if world is None else world
     dl = _one_process_loader(learn, seed)
     if dl is None:   # (each rank its own shard)
-        yield from _first_items(loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False), learn, -(-n // world))
+        yield from _first_items(loader_pieces(learn, size, shuffle=True, seed=seed, drop_last=False), learn,
+                                -(-n // world))
         return
     pieces,seen,bs = [],0,dl.bs   # one process's pieces up to the first that reaches n: (loader batch, start, end)
     for bi,m in enumerate(batch_sizes(dl)):
@@ -214,7 +222,8 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=
 def _inputs(learn, b)->tuple:
     "A batch's inputs (the loaders' `n_inp` first parts) as a tuple"
     n_inp = getattr(learn.dls, 'n_inp', 1)
-    return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list)) else b,)
+    return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list))
+                                                                                 else b,)
 
 def _first_items(pieces, learn, n:int):
     "The inputs of `loader_pieces`'s pieces up to the first that reaches `n` items"
@@ -226,12 +235,14 @@ def _first_items(pieces, learn, n:int):
 
 def _one_process_loader(learn, seed:int):
     """A copy of the training loader one process reads (the loader fastai's `DistributedDL` wraps), shuffled from
-    `seed` without dropping a short last batch, as `own_loader` copies it on one process; None where it cannot be indexed"""
+    `seed` without dropping a short last batch, as `own_loader` copies it on one process; None where it cannot be
+    indexed"""
     import random, sys
     dl = learn.dls.train
     dd = sys.modules.get('fastai.distributed')
     if dd is not None and isinstance(dl, dd.DistributedDL): dl = dl.dl
-    if not (hasattr(dl, 'new') and hasattr(dl, 'get_idxs') and getattr(dl, 'bs', None) and getattr(dl, 'n', None)): return None
+    if not (hasattr(dl, 'new') and hasattr(dl, 'get_idxs') and getattr(dl, 'bs', None) and getattr(dl, 'n', None)):
+        return None
     try: dl = dl.new(shuffle=True, drop_last=False)
     except Exception: return None
     if hasattr(dl, 'rng'): dl.rng = random.Random(seed)

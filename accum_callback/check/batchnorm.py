@@ -34,7 +34,8 @@ class BatchNormReport:
 
     def rows(self)->list:
         fmt = lambda vs: ', '.join(f'{n} {v:.4f}' for n,v in zip(self.names, vs))
-        rows = [('layers', f'{len(self.layers)} BatchNorm layers, statistics recomputed from {self.n_items} training items'),
+        rows = [('layers',
+                 f'{len(self.layers)} BatchNorm layers, statistics recomputed from {self.n_items} training items'),
                 ('worst layers', ', '.join(f'{n} (mean {m:.2f} sd off, var {v:.0%})' for n,m,v in self.worst)),
                 ('validation, running', fmt(self.running)), ('validation, precise', fmt(self.precise))]
         return rows + [('advice', self.advice)]
@@ -42,21 +43,25 @@ class BatchNormReport:
         rows = self.rows(); w = max(len(k) for k,_ in rows)
         return '\n'.join(['check_batchnorm', '-'*(w+60)] + [f'{k:<{w}}  {v}' for k,v in rows])
     __repr__ = __str__
-    def _repr_markdown_(self): return '| check_batchnorm | |\n|---|---|\n' + '\n'.join(f'| {k} | {v} |' for k,v in self.rows())
+    def _repr_markdown_(self):
+        return '| check_batchnorm | |\n|---|---|\n' + '\n'.join(f'| {k} | {v} |' for k,v in self.rows())
 
 def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
     n_items = whole_number(n_items, 'n_items')
-    if is_fsdp(learn.model): raise ValueError("check_batchnorm: the model is sharded with FSDP2; check before sharding it")
+    if is_fsdp(learn.model):
+        raise ValueError("check_batchnorm: the model is sharded with FSDP2; check before sharding it")
     model = training_model(learn)   # (as the check and the noise scale replay it; BatchNorm layers as they train)
     if not bn_layers_with_stats(model):
         raise ValueError("check_batchnorm: the model has no BatchNorm layer with running statistics: nothing to check")
     copy = copy_module(model)
     names = {m: n for n,m in copy.named_modules()}
     trained = {id(bn) for bn in trained_bn_layers(model, learn)}   # frozen layers are not stale: they are kept
-    layers = [c for o,c in zip(model.modules(), copy.modules()) if id(o) in trained and getattr(c, 'running_mean', None) is not None]
-    if not layers: raise ValueError("check_batchnorm: every BatchNorm layer is frozen (BnFreeze, 'freeze'): training keeps "
-                                    "their statistics as they are, so there is nothing to recompute")
-    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn), world=1), layers=layers)   # (the same items on every rank)
+    layers = [c for o,c in zip(model.modules(), copy.modules()) if id(o) in trained
+              and getattr(c, 'running_mean', None) is not None]
+    if not layers: raise ValueError("check_batchnorm: every BatchNorm layer is frozen (BnFreeze, 'freeze'): training "
+                                    "keeps their statistics as they are, so there is nothing to recompute")
+    # (the same items on every rank)
+    stats = precise_bn_stats(copy, training_items(learn, n_items, micro_size(learn), world=1), layers=layers)
     layers = []
     for bn,s in stats.items():
         if s.s1 is None: continue
@@ -67,7 +72,9 @@ def _check_batchnorm(learn, n_items:int=512)->BatchNormReport:
     worst = sorted(layers, key=lambda l: -max(l[1], l[2]))[:3]
     with learn.no_bar(), recorder_kept(learn): running = [float(v) for v in learn.validate()]
     for bn,s in stats.items():
-        if s.s1 is not None: bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype)); bn.running_var.copy_(s.var.to(bn.running_var.dtype))
+        if s.s1 is not None:
+            bn.running_mean.copy_(s.mean.to(bn.running_mean.dtype))
+            bn.running_var.copy_(s.var.to(bn.running_var.dtype))
     saved = learn.model
     learn.model = copy
     try:

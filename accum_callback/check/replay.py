@@ -34,32 +34,37 @@ def training_model(learn, bna=None):
     """The model as training runs it, to replay on: unwrapped from DDP (each rank its own samples, no collectives), and
     converted as `BatchNormAccumulation` ('groupnorm', 'renorm') will convert it, on a copy"""
     model = unwrap(learn.model)
-    if bna is not None and bna.converts and any(is_batchnorm(m) for m in model.modules()): model = bna.convert(copy_module(model))
+    if bna is not None and bna.converts and any(is_batchnorm(m) for m in model.modules()):
+        model = bna.convert(copy_module(model))
     return model
 
-# -- taking the micro-batches ----------------------------------------------------------------------------------------------
+# -- taking the micro-batches
+# ----------------------------------------------------------------------------------------------
 def micro_batches(learn, n_step:int, size, shuffle:bool=False, seed:int=0)->tuple[list,list,object]:
-    """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one, where
-    each comes from: `(rows start, rows end, loader batch size)`, and that loader"""
+    """The first `n_step` micro-batches of the training loader (unshuffled), each a loader batch or a piece of one,
+    where each comes from: `(rows start, rows end, loader batch size)`, and that loader"""
     out,where = [],[]
     for b,w in loader_pieces(learn, size):
         out.append(b); where.append(w)
         if len(out) == n_step: return out,where,own_loader(learn)
-    raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than n_step={n_step}; "
-                     "pass a smaller n_step")
+    raise ValueError(f"`n_step`: the training loader gives only {len(out)} micro-batch(es), fewer than "
+                     f"n_step={n_step}; pass a smaller n_step")
 
 
 def replayed(learn)->list:
-    """The Learner's callbacks that shape what the loss sees in a training step (`after_pred`: fastai's RNNCallback keeps
-    the output the loss takes, a wrapper picks a model's logits; `after_loss`: RNNRegularizer's AR/TAR terms), in their
-    order. Not ours, not mixed precision (the check runs autocast itself), not fastai's own GradientAccumulation."""
+    """The Learner's callbacks that shape what the loss sees in a training step (`after_pred`: fastai's RNNCallback
+    keeps the output the loss takes, a wrapper picks a model's logits; `after_loss`: RNNRegularizer's AR/TAR terms), in
+    their order. Not ours, not mixed precision (the check runs autocast itself), not fastai's own
+    GradientAccumulation."""
     from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
     return [cb for cb in learn.cbs.sorted('order')
-            if not isinstance(cb, (MixedPrecision, FastaiGradientAccumulation)) and not type(cb).__module__.startswith('accum_callback')
+            if not isinstance(cb, (MixedPrecision, FastaiGradientAccumulation))
+            and not type(cb).__module__.startswith('accum_callback')
             and any(callable(getattr(type(cb), e, None)) for e in ('after_pred', 'after_loss'))]
 
 def sandbox(learn, cbs:list):
-    "Whatever replaying `cbs`' events sets on the Learner (its step's attributes) and on the callbacks is put back after"
+    """Whatever replaying `cbs`' events sets on the Learner (its step's attributes) and on the callbacks is put back
+    after"""
     return step_kept(learn, cbs)
 
 def replay_event(learn, cbs:list, event:str):
@@ -69,10 +74,11 @@ def replay_event(learn, cbs:list, event:str):
             what = (f"raised {type(e).__name__}: the check cannot follow a callback that cancels a micro-batch; run it "
                     f"with that callback removed (`with learn.removed_cbs(cb): learn.check_accumulation()`)"
                     if type(e).__name__.startswith('Cancel') else f"failed: {e}")
-            raise RuntimeError(f"check_accumulation: replaying `{type(cb).__name__}.{event}` (what training runs between "
-                               f"the model and the backward) on the check's copy {what}") from e
+            raise RuntimeError(f"check_accumulation: replaying `{type(cb).__name__}.{event}` (what training runs "
+                               f"between the model and the backward) on the check's copy {what}") from e
 
-def split_xy(learn, b): "`(xb, yb)` of a prepared batch (`loader_pieces`'s: inputs, then targets)"; return split_batch(learn, b)
+def split_xy(learn, b):
+    "`(xb, yb)` of a prepared batch (`loader_pieces`'s: inputs, then targets)"; return split_batch(learn, b)
 
 class _View:
     "What `n_items(learn)` reads: this micro-batch's `xb`, `yb`, `pred`, `loss`; anything else from the Learner"
@@ -81,10 +87,10 @@ class _View:
 
 class Replay:
     """A copy of the model run as the Learner's training step runs it (its callbacks' `after_pred`/`after_loss`
-    replayed, autocast as `MixedPrecision`, BatchNorm's and dropout's modes switched), on micro-batches addressed by index
-    into `batches` (`where[i]`: where micro-batch i comes from, `(rows start, rows end, loader batch size)`), each pass
-    from the model as it is now (`fresh`: buffers, per-row state, the RNG). `grads` accumulates a window by the window's
-    own rule (`Window`), or runs one batch of it. Used by `check_accumulation` (which adds its experiments) and
+    replayed, autocast as `MixedPrecision`, BatchNorm's and dropout's modes switched), on micro-batches addressed by
+    index into `batches` (`where[i]`: where micro-batch i comes from, `(rows start, rows end, loader batch size)`), each
+    pass from the model as it is now (`fresh`: buffers, per-row state, the RNG). `grads` accumulates a window by the
+    window's own rule (`Window`), or runs one batch of it. Used by `check_accumulation` (which adds its experiments) and
     `learn.noise_scale()`."""
     def __init__(self, learn, batches, model, ga, bna, where:list, dl=None):
         self.learn,self.ga,self.bna,self.dl = learn,ga,bna,dl
@@ -93,18 +99,23 @@ class Replay:
         self.load(batches, where)
         self.model = copy_module(model)
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]   # Batch Renorm's ramp
+        # Batch Renorm's ramp
+        self.steps = [(m, m.renorm_steps) for m in self.model.modules() if hasattr(m, 'renorm_steps')]
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         amp = getattr(mp, 'amp_mode', None) if mp is not None else None
-        self.autocast = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
-        # fastai's MixedPrecision autocasts on CUDA only (`autocast('cuda')`): a model on the CPU trains in its own dtype
+        self.autocast = {'fp16': torch.float16,
+                         'bf16': torch.bfloat16}.get(str(getattr(amp, 'value', amp)).lower().replace('amptype.', ''))
+        # fastai's MixedPrecision autocasts on CUDA only (`autocast('cuda')`): a model on the CPU trains in its own
+        # dtype
         if model_device(model).type != 'cuda': self.autocast = None
         p = next(iter(model.parameters()), None)
         self.dtype = self.autocast or (p.dtype if p is not None else torch.float32)
-        self.loss_dtype = None   # the dtype the loss came out in (fastai's flattened losses give float32 for float64 input)
+        # the dtype the loss came out in (fastai's flattened losses give float32 for float64 input)
+        self.loss_dtype = None
         self.recomputed_bn = False   # a BatchNorm forward ran during a backward (activation checkpointing)
         self.rng = rng_states()
-        self.loss_terms = True   # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
+        # replay the callbacks' `after_loss` (RNNRegularizer's AR/TAR); off for the regularizer experiment
+        self.loss_terms = True
 
     def load(self, batches:list, where:list):
         "The micro-batches to run (a window) and where each comes from"
@@ -132,8 +143,9 @@ class Replay:
         return self.model
 
     def modes(self, m, bn:bool, drop:bool):
-        """Training mode as the Learner trains (`bn`, `drop` True), with BatchNorm's batch statistics off (`bn` False: its
-        running statistics, as in eval) or every other train-mode behaviour off (`drop` False: dropout, drop-path...)"""
+        """Training mode as the Learner trains (`bn`, `drop` True), with BatchNorm's batch statistics off (`bn` False:
+        its running statistics, as in eval) or every other train-mode behaviour off (`drop` False: dropout,
+        drop-path...)"""
         m.train(drop)
         frozen = self.bna is not None and self.bna.mode == 'freeze'
         for mod in m.modules():
@@ -182,9 +194,9 @@ class Replay:
         covered = list(idxs) == list(range(len(idxs))) and all(i < self.n_window for i in idxs) and \
                   self.where[idxs[-1]][1] == self.where[idxs[-1]][2]   # the first whole loader batches
         if not covered or self.dl is None or not hasattr(self.dl, 'new'):
-            raise ValueError("check_accumulation: the micro-batches have different shapes (padded to other lengths?) and "
-                             "are not whole loader batches, so one batch of them cannot be formed: pass an `n_step` of "
-                             "whole loader batches")
+            raise ValueError("check_accumulation: the micro-batches have different shapes (padded to other lengths?) "
+                             "and are not whole loader batches, so one batch of them cannot be formed: pass an "
+                             "`n_step` of whole loader batches")
         n = sum(e-s for s,e,_ in (self.where[i] for i in idxs))
         b = next(iter(self.dl.new(bs=n, shuffle=False, drop_last=False)))   # (its order: the loader's own, unshuffled)
         return prepare_batch(self.learn, b)
@@ -232,7 +244,8 @@ class Replay:
             finite = bool(torch.isfinite(loss).all())
             loss.backward(); scale = 1.
         ps = [(n, p) for n,p in m.named_parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for _,p in ps]) if ps else torch.zeros(0)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for _,
+                          p in ps]) if ps else torch.zeros(0)
         if scale != 1.: flat.mul_(scale)
         # an inf or NaN anywhere makes the norm so
         return Grads(flat, finite and math.isfinite(float(flat.norm())), [n for n,_ in ps], [p.numel() for _,p in ps])
@@ -267,6 +280,7 @@ class Replay:
 
 def flat_out(o):
     if isinstance(o, torch.Tensor): return o.detach().double().reshape(-1)
-    if isinstance(o, (tuple, list)): return torch.cat([flat_out(x) for x in o]) if o else torch.zeros(0, dtype=torch.float64)
+    if isinstance(o, (tuple, list)):
+        return torch.cat([flat_out(x) for x in o]) if o else torch.zeros(0, dtype=torch.float64)
     if isinstance(o, dict): return flat_out(list(o.values()))
     return torch.zeros(0, dtype=torch.float64)

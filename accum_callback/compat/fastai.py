@@ -1,5 +1,5 @@
-"""Every fastai name outside fastai's public API that the library uses, in one place (as `compat/torch.py` holds torch's),
-each found by what this fastai has, with a clear refusal naming the fastai version where it is gone.
+"""Every fastai name outside fastai's public API that the library uses, in one place (as `compat/torch.py` holds
+torch's), each found by what this fastai has, with a clear refusal naming the fastai version where it is gone.
 `tests/test_package.py` fails when another module reaches for one of these names itself.
 
 - `Learner._with_events(f, event_type, ex, final)`: fastai runs each event pair through it and looks it up for every
@@ -15,8 +15,8 @@ __all__ = ['epoch_events', 'set_epoch_events', 'clear_epoch_events', 'train_metr
 _EVENTS = '_with_events'
 if not callable(getattr(Learner, _EVENTS, None)):
     import fastai
-    raise ImportError(f"accum_callback needs fastai's Learner._with_events (every event pair of a fit runs through it), which "
-                      f"fastai {fastai.__version__} does not have: please report it")
+    raise ImportError("accum_callback needs fastai's Learner._with_events (every event pair of a fit runs through "
+                      f"it), which fastai {fastai.__version__} does not have: please report it")
 
 def epoch_events(learn, own:bool=False):
     "`learn._with_events`: the one fastai calls now, or (`own`) only one set on this instance (None where none is)"
@@ -46,6 +46,7 @@ def copy_loader(dl):
     new = copy.copy(dl)
     if isinstance(fl := torch_loader(dl), _FakeLoader):   # (as fastai's loaders make theirs)
         kw = dict(persistent_workers=fl.persistent_workers)
-        if hasattr(fl, 'pin_memory_device'): kw['pin_memory_device'] = fl.pin_memory_device   # (not in every fastai this package supports)
+        # (not in every fastai this package supports)
+        if hasattr(fl, 'pin_memory_device'): kw['pin_memory_device'] = fl.pin_memory_device
         new.fake_l = _FakeLoader(new, fl.pin_memory, fl.num_workers, fl.timeout, **kw)
     return new

@@ -25,13 +25,14 @@ def _loop(name:str):
     return f
 
 def foreach(name:str):
-    """`torch._foreach_<name>` (one fused kernel for a list of tensors: `mul_`, `copy_`, `add_`, `norm`, ...), or the same
-    as a loop over the tensors where this torch has none"""
+    """`torch._foreach_<name>` (one fused kernel for a list of tensors: `mul_`, `copy_`, `add_`, `norm`, ...), or the
+    same as a loop over the tensors where this torch has none"""
     return getattr(torch, f'_foreach_{name}', None) or _loop(name)
 
 # -- nested containers of tensors (instead of torch.utils._pytree) ---------------------------------------------------
 def tree_flatten(obj)->tuple[list, object]:
-    "The leaves of `obj` (inside lists, tuples, namedtuples and dicts, in order) and how to put them back (`tree_unflatten`)"
+    """The leaves of `obj` (inside lists, tuples, namedtuples and dicts, in order) and how to put them back
+    (`tree_unflatten`)"""
     if isinstance(obj, dict): keys,kids = list(obj),list(obj.values())
     elif isinstance(obj, (list, tuple)): keys,kids = None,list(obj)
     else: return [obj],None
@@ -54,11 +55,12 @@ def tree_map(f, obj):
     leaves,spec = tree_flatten(obj)
     return tree_unflatten([f(l) for l in leaves], spec)
 
-# -- BatchNorm's base class, the CUDA out-of-memory error, autocast -----------------------------------------------------
+# -- BatchNorm's base class, the CUDA out-of-memory error, autocast
+# -----------------------------------------------------
 BatchNormBase = getattr(nn.modules.batchnorm, '_BatchNorm', None)   # BatchNorm1d/2d/3d, SyncBatchNorm, timm's norm-act
 if BatchNormBase is None:
-    raise ImportError(f"accum_callback needs torch.nn.modules.batchnorm._BatchNorm (the base of every BatchNorm layer), "
-                      f"which torch {TORCH} does not have: please report it")
+    raise ImportError("accum_callback needs torch.nn.modules.batchnorm._BatchNorm (the base of every BatchNorm "
+                      f"layer), which torch {TORCH} does not have: please report it")
 
 def module_dicts(m:nn.Module)->tuple[dict,dict]:
     """(`m._buffers`, `m._modules`): nn.Module's own storage of its buffers and children. 'pool' swaps a BatchNorm's
@@ -91,9 +93,11 @@ def grad_scale(learn):
     t = getattr(s, '_scale', None)
     return t.double() if isinstance(t, torch.Tensor) else torch.tensor(float(s.get_scale()), dtype=torch.float64)
 
-# -- torch.compile: is any part of the model compiled (with CUDA graphs)? ------------------------------------------------
+# -- torch.compile: is any part of the model compiled (with CUDA graphs)?
+# ------------------------------------------------
 def is_compiled(model:nn.Module)->bool:
-    "Is any part of `model` compiled: a `torch.compile` wrapper (`_orig_mod`) or a module compiled in place (`.compile()`)"
+    """Is any part of `model` compiled: a `torch.compile` wrapper (`_orig_mod`) or a module compiled in place
+    (`.compile()`)"""
     return any(hasattr(m, '_orig_mod') or getattr(m, '_compiled_call_impl', None) is not None for m in model.modules())
 
 @contextlib.contextmanager
@@ -102,7 +106,8 @@ def run_eagerly(model:nn.Module):
     place): the recomputation's forwards change modes, momenta and hooks, which a compiled graph would guard on and
     compile again for (torch 2.4's dynamo failed on them: 'DictGuardManager does not support a leaf_guard')"""
     wrapped = [(m, m.__dict__.get('forward')) for m in model.modules() if hasattr(m, '_orig_mod')]
-    in_place = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, '_compiled_call_impl', None) is not None]
+    in_place = [(m, m._compiled_call_impl) for m in model.modules()
+                if getattr(m, '_compiled_call_impl', None) is not None]
     for m,_ in wrapped: m.__dict__['forward'] = m._orig_mod.__call__
     for m,_ in in_place: m._compiled_call_impl = None
     try: yield
@@ -126,7 +131,8 @@ def compiled_with_cuda_graphs(model:nn.Module)->bool:
             f = getattr(f, '_torchdynamo_orig_backend', None)
     return False
 
-# -- FSDP2's per-parameter records ----------------------------------------------------------------------------------------
+# -- FSDP2's per-parameter records
+# ----------------------------------------------------------------------------------------
 def _fsdp_state(module):
     get = getattr(module, '_get_fsdp_state', None)
     return get() if callable(get) else None
@@ -143,7 +149,8 @@ def fsdp_param_groups(module)->list|None:
     return None
 
 def fsdp_grads_reachable(modules:list)->bool:
-    "Can the gradients FSDP2 holds unsharded for these sharded modules be reached (to discard them when a window drops)?"
+    """Can the gradients FSDP2 holds unsharded for these sharded modules be reached (to discard them when a window
+    drops)?"""
     for m in modules:
         groups = fsdp_param_groups(m)
         if groups is None or any(not hasattr(g, 'fsdp_params') for g in groups): return False
@@ -171,10 +178,11 @@ def clear_held_grads(fp):
     if up is not None and up.grad is not None: up.grad = None
 
 def rng_states()->tuple:
-    """Every global RNG's state: torch's CPU and CUDA (once CUDA is in use: reading it would start CUDA in a process that
-    has not, and a process forked after that cannot use CUDA), Python's, numpy's"""
+    """Every global RNG's state: torch's CPU and CUDA (once CUDA is in use: reading it would start CUDA in a process
+    that has not, and a process forked after that cannot use CUDA), Python's, numpy's"""
     import random, numpy as np
-    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+            and torch.cuda.is_initialized() else None,
             random.getstate(), np.random.get_state())
 
 def set_rng_states(saved:tuple):

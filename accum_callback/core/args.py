@@ -9,7 +9,8 @@ class NotWholeNumber(TypeError, ValueError):
     "A count given as something other than a whole number in range (caught as either a `TypeError` or a `ValueError`)"
 
 def whole_number(v, name:str, where:str='', lo:int=1)->int:
-    "`v` as an int >= `lo`, or a `NotWholeNumber` error naming `name` (and `where` it was given): the one rule for every count"
+    """`v` as an int >= `lo`, or a `NotWholeNumber` error naming `name` (and `where` it was given): the one rule for
+    every count"""
     if isinstance(v, bool) or not isinstance(v, Integral):
         raise NotWholeNumber(f"`{name}` must be a whole number >= {lo}{where}, got {v!r} ({type(v).__name__})")
     if v < lo: raise NotWholeNumber(f"`{name}` must be >= {lo}{where}, got {v}")

@@ -1,5 +1,5 @@
-"""A batch as the Learner's training step sees it, for everything that runs batches outside fastai's loop (the check, the
-noise scale, the replay, the recomputed BatchNorm statistics): moved to the model's device (fastai's `_set_device`),
+"""A batch as the Learner's training step sees it, for everything that runs batches outside fastai's loop (the check,
+the noise scale, the replay, the recomputed BatchNorm statistics): moved to the model's device (fastai's `_set_device`),
 split into inputs and targets (`_split`), then through the callbacks' `before_batch` (fastai's `CastToTensor`, which
 casts `TensorImage`/`TensorCategory` to plain tensors for a torch loss; `ModelToHalf`; a `before_batch_cb`; a user's
 own), with whatever those callbacks set on the Learner and on themselves put back after."""

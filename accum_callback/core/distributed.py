@@ -12,8 +12,10 @@ from torch.nn.parallel import DistributedDataParallel
 from .args import flag
 from ..compat.torch import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
 
-__all__ = ['SyncPolicy', 'FSDPOptions', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank', 'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
-           'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads', 'held_grad_bytes',
+__all__ = ['SyncPolicy', 'FSDPOptions', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank',
+           'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',
+           'all_reduce_grads', 'fsdp_modules', 'fsdp_params', 'check_fsdp', 'discard_unsharded_grads',
+           'held_grad_bytes',
            'set_resharding', 'zero_grads', 'fsdp_group_count',
            'sync_batchnorm_world', 'AllReduceCounter', 'count_allreduces', 'CollectiveCounter', 'count_collectives',
            'gloo_distributed_dl']
@@ -30,7 +32,8 @@ def is_fsdp(model)->bool:
     c = _fsdp('FSDPModule')
     return c is not None and isinstance(unwrap(model), c)
 
-def is_distributed(model)->bool: "DDP or FSDP2: gradients are reduced over ranks"; return is_ddp(model) or is_fsdp(model)
+def is_distributed(model)->bool:
+    "DDP or FSDP2: gradients are reduced over ranks"; return is_ddp(model) or is_fsdp(model)
 
 def fsdp_modules(model)->list:
     "The FSDP2-sharded modules of `model` (FSDPModule instances), root first"
@@ -42,23 +45,29 @@ def check_fsdp(model):
     FSDP1 = _fsdp('FullyShardedDataParallel')
     if FSDP1 is not None and any(isinstance(m, FSDP1) for m in unwrap(model).modules()):
         raise ValueError("GradientAccumulation: the model is wrapped in FSDP1 (`FullyShardedDataParallel`, e.g. by "
-                         "Accelerate's FSDP plugin through fastai's `distrib_ctx`), whose accumulation we do not support. "
-                         "Shard it with FSDP2 instead: `learn.to_fsdp()` (or `learn.fsdp_ctx()`), see docs/distributed.md")
+                         "Accelerate's FSDP plugin through fastai's `distrib_ctx`), whose accumulation we do not "
+                         "support. Shard it with FSDP2 instead: `learn.to_fsdp()` (or `learn.fsdp_ctx()`), see "
+                         "docs/distributed.md")
     if is_fsdp(model) and not fsdp_grads_reachable(fsdp_modules(model)):
-        raise ValueError(f"GradientAccumulation under FSDP2 discards the gradients FSDP2 holds unsharded when a window ends "
-                         f"without a step, and torch {TORCH} keeps them where accum_callback does not reach them "
+        raise ValueError("GradientAccumulation under FSDP2 discards the gradients FSDP2 holds unsharded when a window "
+                         f"ends without a step, and torch {TORCH} keeps them where accum_callback does not reach them "
                          "(FSDPModule._get_fsdp_state()._fsdp_param_groups): use DDP or a torch of the tested range "
                          "(docs/versions.md), and please report it")
     if not is_fsdp(model) and fsdp_modules(model):
-        raise ValueError("GradientAccumulation: parts of the model are sharded with FSDP2's `fully_shard` but not its root: "
-                         "call `fully_shard(model)` after its blocks (FSDP2's own advice), or use `learn.to_fsdp()`")
+        raise ValueError("GradientAccumulation: parts of the model are sharded with FSDP2's `fully_shard` but not its "
+                         "root: call `fully_shard(model)` after its blocks (FSDP2's own advice), or use "
+                         "`learn.to_fsdp()`")
 
 def unwrap(model):
     "The module inside DDP / DataParallel (the model itself otherwise)"
     return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
-def process_rank()->int: "This process's rank in the default process group (0 without one)"; return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-def process_count()->int: "Processes in the default process group (1 without one)"; return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def process_rank()->int:
+    "This process's rank in the default process group (0 without one)"
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def process_count()->int:
+    "Processes in the default process group (1 without one)"
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def world_size(model)->int:
     "Ranks a DDP or FSDP2 `model` averages its gradients over (1 otherwise)"
@@ -90,7 +99,8 @@ class FSDPOptions:
     sharded_grads: bool = False
     gathered_params: bool = False
     def __post_init__(self):
-        self.sharded_grads,self.gathered_params = flag(self.sharded_grads, 'sharded_grads'),flag(self.gathered_params, 'gathered_params')
+        self.sharded_grads,self.gathered_params = flag(self.sharded_grads, 'sharded_grads'),flag(self.gathered_params,
+                                                                                                 'gathered_params')
 
 class SyncPolicy:
     """How a window's gradients meet over the ranks (docs/distributed.md): a micro-batch that does not step accumulates
@@ -109,7 +119,8 @@ class SyncPolicy:
     def gathered_params(self)->bool: return self.options.gathered_params
 
     def micro_starts(self, model, action, manual:bool):
-        "A micro-batch starts whose unit `action` closes the window ('step', 'drop') or not (None): the no-sync context to exit after its backward"
+        """A micro-batch starts whose unit `action` closes the window ('step', 'drop') or not (None): the no-sync
+        context to exit after its backward"""
         fsdp = is_fsdp(model)
         ctx = enter_no_sync(model) if (action != 'step' or manual) and not (self.sharded_grads and fsdp) else None
         if fsdp and self.gathered_params: set_resharding(model, forward=False, backward=action is not None)
@@ -198,11 +209,13 @@ def all_reduce_grads(params:list):
 def sync_batchnorm_world(bn)->int:
     """How many ranks' micro-batches a layer's batch statistics cover: the process group's size for a `SyncBatchNorm`
     in a running process group (ranks of equal micro-batch size), else 1"""
-    if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized(): return dist.get_world_size(bn.process_group)
+    if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(bn.process_group)
     return 1
 
 class AllReduceCounter:
-    "State of `count_allreduces`' communication hook: one entry per bucket all-reduce, a round per synchronised backward"
+    """State of `count_allreduces`' communication hook: one entry per bucket all-reduce, a round per synchronised
+    backward"""
     def __init__(self, process_group=None): self.process_group,self.buckets,self.n_rounds = process_group,[],0
     @property
     def n_calls(self)->int: "Bucket all-reduces so far (a round makes one per bucket)"; return len(self.buckets)
@@ -234,8 +247,8 @@ def count_allreduces(
 class CollectiveCounter:
     "What `count_collectives` counted: reduce-scatter and all-gather calls (FSDP2), and all-reduces"
     def __init__(self): self.reduce_scatter,self.all_gather,self.all_reduce = 0,0,0
-    def __repr__(self): return (f"{type(self).__name__}(reduce_scatter={self.reduce_scatter}, all_gather={self.all_gather}, "
-                                f"all_reduce={self.all_reduce})")
+    def __repr__(self): return (f"{type(self).__name__}(reduce_scatter={self.reduce_scatter}, "
+                                f"all_gather={self.all_gather}, all_reduce={self.all_reduce})")
 
 # the single-tensor collectives FSDP2 uses (fastai's Recorder gathers losses with `dist.all_gather`: not counted)
 _COUNTED = dict(reduce_scatter=('reduce_scatter_single', 'reduce_scatter_tensor'),
@@ -245,7 +258,8 @@ _COUNTED = dict(reduce_scatter=('reduce_scatter_single', 'reduce_scatter_tensor'
 def count_collectives():
     """Count the collectives `torch.distributed` is asked for while open (FSDP2 in torch 2.14 reduces with
     `dist.reduce_scatter_single` and gathers with `dist.all_gather_single`, looked up at each call). It wraps the
-    functions, so it changes nothing they do (unlike `CommDebugMode`, whose module hooks break an in-place op on the loss)"""
+    functions, so it changes nothing they do (unlike `CommDebugMode`, whose module hooks break an in-place op on the
+    loss)"""
     c,saved = CollectiveCounter(),[]
     for kind,names in _COUNTED.items():
         for n in names:
@@ -260,9 +274,10 @@ def count_collectives():
 
 @contextlib.contextmanager
 def gloo_distributed_dl():
-    """Let fastai's `DistributedDL` share its sample order over a CPU (gloo) process group, so that `learn.distrib_ctx()`
-    / `learn.to_distributed(cpu=True)` runs without a GPU (fastai broadcasts the order through a CUDA tensor for NCCL).
-    A context manager; it patches `DistributedDL._broadcast` while open, and only when the default group is not NCCL."""
+    """Let fastai's `DistributedDL` share its sample order over a CPU (gloo) process group, so that
+    `learn.distrib_ctx()` / `learn.to_distributed(cpu=True)` runs without a GPU (fastai broadcasts the order through a
+    CUDA tensor for NCCL). A context manager; it patches `DistributedDL._broadcast` while open, and only when the
+    default group is not NCCL."""
     from fastai.distributed import DistributedDL
     orig = DistributedDL._broadcast
     def _broadcast(self, t, rank):

@@ -6,7 +6,8 @@ import contextlib, os, re, tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ['serials', 'remove_old', 'Background', 'new_file_perms', 'atomic_write', 'replace_durably', 'fsync_dir', 'writable_folder', 'remove_stale_parts', 'keep_copy']
+__all__ = ['serials', 'remove_old', 'Background', 'new_file_perms', 'atomic_write', 'replace_durably', 'fsync_dir',
+           'writable_folder', 'remove_stale_parts', 'keep_copy']
 
 def fsync_dir(folder):
     "Make a rename in `folder` durable (a no-op where folders cannot be opened, e.g. Windows)"
@@ -17,7 +18,8 @@ def fsync_dir(folder):
     finally: os.close(fd)
 
 def replace_durably(tmp, dest):
-    "Sync the written file `tmp` to disk, rename it over `dest`, sync the folder: after a power loss `dest` is whole, old or new"
+    """Sync the written file `tmp` to disk, rename it over `dest`, sync the folder: after a power loss `dest` is whole,
+    old or new"""
     with open(tmp, 'rb+') as f: os.fsync(f.fileno())
     os.replace(tmp, dest)
     fsync_dir(Path(dest).parent)
@@ -25,10 +27,12 @@ def replace_durably(tmp, dest):
 def serials(folder, prefix:str, suffix:str)->list:
     "The serial numbers of the files `<prefix><serial>.rank<r><suffix>` in `folder` (any rank's), sorted"
     pat = re.compile(re.escape(prefix) + r'(\d+)\.rank\d+' + re.escape(suffix))
-    return sorted({int(m.group(1)) for f in Path(folder).glob(f'{prefix}*.rank*{suffix}') if (m := pat.fullmatch(f.name))})
+    return sorted({int(m.group(1)) for f in Path(folder).glob(f'{prefix}*.rank*{suffix}')
+                   if (m := pat.fullmatch(f.name))})
 
 def remove_old(serials:list, keep:int, remove)->list:
-    "`remove(s)` for all but the newest `keep` of the sorted `serials`; `(serial, error)` for each that raised an `OSError`"
+    """`remove(s)` for all but the newest `keep` of the sorted `serials`; `(serial, error)` for each that raised an
+    `OSError`"""
     failed = []
     for s in serials[:-keep]:
         try: remove(s)
@@ -36,7 +40,8 @@ def remove_old(serials:list, keep:int, remove)->list:
     return failed
 
 def new_file_perms()->int:
-    "The mode bits a new file gets from the umask (read here, in the thread that writes nothing: the umask is the process's)"
+    """The mode bits a new file gets from the umask (read here, in the thread that writes nothing: the umask is the
+    process's)"""
     um = os.umask(0); os.umask(um)
     return 0o666 & ~um
 
@@ -93,7 +98,8 @@ def writable_folder(folder, what:str, holds:str):
     "`ValueError` naming `what` unless `folder` is a folder (created if missing) this process can write in"
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{what} {folder} is a file, not a folder: give a folder for {holds} (it is created if missing)")
+        raise ValueError(f"{what} {folder} is a file, not a folder: give a folder for {holds} (it is created if "
+                         "missing)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd,probe = tempfile.mkstemp(dir=folder, prefix='.write-check.', suffix='.part')
@@ -109,8 +115,8 @@ def _running(pid:int)->bool:
     return True
 
 def remove_stale_parts(folder, prefix:str)->list:
-    """Remove what `atomic_write` left in `folder` for files named `prefix*` when its process died (`.<name>.<random>.<pid>.part`,
-    the process no longer running); nothing else. Returns the names removed"""
+    """Remove what `atomic_write` left in `folder` for files named `prefix*` when its process died
+    (`.<name>.<random>.<pid>.part`, the process no longer running); nothing else. Returns the names removed"""
     import re
     out = []
     for f in Path(folder).glob(f'.{prefix}*.part'):

@@ -10,14 +10,17 @@ import torch
 
 from ..compat.fastai import copy_loader, torch_loader
 
-__all__ = ['Feed', 'FeedLoader', 'ReadAhead', 'feed_of', 'piece_of', 'is_last_batch', 'inner_loader', 'with_last', 'can_skip',
+__all__ = ['Feed', 'FeedLoader', 'ReadAhead', 'feed_of', 'piece_of', 'is_last_batch', 'inner_loader', 'with_last',
+           'can_skip',
            'batch_sizes', 'model_device', 'own_loader']
 
 def batch_sizes(dl)->list:
     """The loader's batch sizes in an epoch, where it says (fastai's `n`, `bs`, `drop_last`), else `bs` each. fastai's
-    `DistributedDL` counts what each rank really reads (its `len` is the whole loader's over the world, often one more)"""
+    `DistributedDL` counts what each rank really reads (its `len` is the whole loader's over the world, often one
+    more)"""
     inner,world = getattr(dl, 'dl', None),getattr(dl, 'world_size', None)
-    if type(dl).__name__ == 'DistributedDL' and getattr(inner, 'n', None) is not None and world and getattr(dl, 'bs', None):
+    if type(dl).__name__ == 'DistributedDL' and getattr(inner, 'n',
+                                                        None) is not None and world and getattr(dl, 'bs', None):
         n,bs = math.ceil(inner.n/world),dl.bs   # every rank reads the padded share of the set
         nb = n//bs if dl.drop_last else math.ceil(n/bs)
     else: n,bs,nb = getattr(dl, 'n', None),getattr(dl, 'bs', None),len(dl)
@@ -57,8 +60,8 @@ def _workers(dl)->bool:
 
 def _skip_batches(dl, k:int, then=None):
     """Leave the first `k` batches out of `dl`'s next pass, unloaded: its indices, as fastai's loaders (and
-    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole); `then()`
-    once they are drawn. Returns what to undo once the pass has started"""
+    `DistributedDL`, a rank's share) draw them, less the first `k` batches' worth (once: the next pass is whole);
+    `then()` once they are drawn. Returns what to undo once the pass has started"""
     orig = dl.get_idxs
     def get_idxs():
         dl.__dict__.pop('get_idxs', None)
@@ -74,10 +77,13 @@ def _skip_batches(dl, k:int, then=None):
     def undo(): fake.generator = old
     return undo
 
-def can_skip(dl)->bool: "Can `dl` leave batches out of a pass unloaded (`Feed.skip`)?"; return hasattr(dl, 'get_idxs') and bool(getattr(dl, 'bs', None))
+def can_skip(dl)->bool:
+    "Can `dl` leave batches out of a pass unloaded (`Feed.skip`)?"
+    return hasattr(dl, 'get_idxs') and bool(getattr(dl, 'bs', None))
 
 def with_last(it):
-    "Yield `(item, is_last)` of an iterable: its end is where its iterator ends, whatever its `len` says (one item read ahead)"
+    """Yield `(item, is_last)` of an iterable: its end is where its iterator ends, whatever its `len` says (one item
+    read ahead)"""
     it = iter(it)
     try: cur = next(it)
     except StopIteration: return
@@ -94,11 +100,16 @@ class FeedLoader:
     piece,last = None,False
     def __init__(self, dl): self.dl,self.feed = dl,Feed()
 
-def feed_of(dl)->Feed|None: "The place of `dl`'s batches fetched (`Feed`), where the package's loader runs it, else None"; return dl.feed if isinstance(dl, FeedLoader) else None
-def piece_of(dl): "The piece of a loader batch `dl` runs (`MicroBatches`), else None (its batches run whole)"; return dl.piece if isinstance(dl, FeedLoader) else None
+def feed_of(dl)->Feed|None:
+    "The place of `dl`'s batches fetched (`Feed`), where the package's loader runs it, else None"
+    return dl.feed if isinstance(dl, FeedLoader) else None
+def piece_of(dl):
+    "The piece of a loader batch `dl` runs (`MicroBatches`), else None (its batches run whole)"
+    return dl.piece if isinstance(dl, FeedLoader) else None
 
 def is_last_batch(dl)->bool|None:
-    "Is the loader batch being run the epoch's last (its piece's, where `dl` cuts it)? None for a loader not the package's"
+    """Is the loader batch being run the epoch's last (its piece's, where `dl` cuts it)? None for a loader not the
+    package's"""
     if not isinstance(dl, FeedLoader): return None
     return dl.piece.last_batch if dl.piece is not None else dl.last
 
@@ -110,7 +121,8 @@ class ReadAhead(FeedLoader):
     """The training loader read one batch ahead, so that `last` tells whether the batch being run is the epoch's last
     (fastai's loop knows only `len`, which a loader such as `DistributedDL`, a custom sampler or an iterable dataset can
     overstate). Everything else is the real loader's. It holds one more batch than fastai does"""
-    piece = None   # (its batches run whole: `MicroBatching`'s loader says which piece runs; not the real loader's, if it has one)
+    # (its batches run whole: `MicroBatching`'s loader says which piece runs; not the real loader's, if it has one)
+    piece = None
     def __getattr__(self, k):
         if k in ('dl', 'feed'): raise AttributeError(k)
         return getattr(self.dl, k)
@@ -119,7 +131,9 @@ class ReadAhead(FeedLoader):
         self.last = False
         for b,self.last in with_last(self.feed(self.dl)): yield b
 
-def model_device(model)->torch.device: "Where `model`'s parameters are (the CPU for a model without any)"; return next(iter(model.parameters()), torch.empty(0)).device
+def model_device(model)->torch.device:
+    "Where `model`'s parameters are (the CPU for a model without any)"
+    return next(iter(model.parameters()), torch.empty(0)).device
 
 def own_loader(learn, shuffle:bool=False, seed:int=0, drop_last:bool|None=None):
     """A copy of the training loader in an order of its own, for the check, the noise scale and the recomputed BatchNorm
@@ -128,7 +142,8 @@ def own_loader(learn, shuffle:bool=False, seed:int=0, drop_last:bool|None=None):
     incomplete batch to drop; one that cannot copy itself is read in its own order, from a copy"""
     dl = learn.dls.train
     if not hasattr(dl, 'new'): return dl
-    drop = (shuffle if drop_last is None else drop_last) and bool(getattr(dl, 'bs', None))   # (fastai refuses it at bs=None)
+    # (fastai refuses it at bs=None)
+    drop = (shuffle if drop_last is None else drop_last) and bool(getattr(dl, 'bs', None))
     try: dl = dl.new(shuffle=shuffle, drop_last=drop)
     except Exception: dl = copy_loader(dl)
     if hasattr(dl, 'rng'): dl.rng = random.Random(seed)   # fastai's loaders draw their order (and a new `rng`) from it

@@ -1,8 +1,9 @@
 """What a loss averages over. torch's and fastai's class-weighted and `ignore_index` losses are means over the targets'
 weight sum or the non-ignored count, not over the batch: `loss_items` gives that count, so that `GradientAccumulation`
 weighs each micro-batch by it when the user gives no `n_items`; a Hugging Face model's own loss (the output's `loss`,
-from `labels` that hold -100) is counted the same way (`own_loss_items`); `loss_reduction` tells a loss that sums (accumulated as
-the sum it is). An unknown loss gives None: the batch size rule stands, and `check_accumulation` tells when it is off."""
+from `labels` that hold -100) is counted the same way (`own_loss_items`); `loss_reduction` tells a loss that sums
+(accumulated as the sum it is). An unknown loss gives None: the batch size rule stands, and `check_accumulation` tells
+when it is off."""
 from __future__ import annotations
 import functools, weakref
 from collections.abc import Mapping
@@ -39,7 +40,8 @@ def _fastai_sum_losses():
     return (FocalLoss, LabelSmoothingCrossEntropy)
 
 def loss_reduction(loss_func)->str|None:
-    "'sum' for a loss class known to sum over its items with `reduction='sum'`, 'mean' for one known to average, else None"
+    """'sum' for a loss class known to sum over its items with `reduction='sum'`, 'mean' for one known to average, else
+    None"""
     f = _inner(loss_func)
     if not isinstance(f, SUM_LOSSES + _fastai_sum_losses()): return None
     r = getattr(f, 'reduction', None)
@@ -60,7 +62,8 @@ def loss_items(loss_func, yb)->torch.Tensor|None:
     w = getattr(f, 'weight', None)
     if w is None: return keep.sum().float()
     w = w.to(t.device)
-    return (w[torch.where(keep, t, 0).long()] * keep).sum().to(torch.float64 if w.dtype == torch.float64 else torch.float32)
+    return (w[torch.where(keep, t, 0).long()] * keep).sum().to(torch.float64 if w.dtype == torch.float64
+                                                               else torch.float32)
 
 def check_n_items(n_items):
     "`GradientAccumulation(n_items=...)`, checked: a function `f(learn) -> int` or None"
@@ -68,11 +71,13 @@ def check_n_items(n_items):
         raise TypeError(f"`n_items` must be a function `f(learn) -> int` or None, got {type(n_items).__name__}")
     return n_items
 
-# -- a model's own loss (Hugging Face: the output's `loss`, computed from `labels`) ----------------------------------------
+# -- a model's own loss (Hugging Face: the output's `loss`, computed from `labels`)
+# ----------------------------------------
 IGNORE_INDEX = -100   # torch's and Hugging Face's label for a position the loss leaves out (padding, the prompt)
 
 def _field(o, k):
-    "`o[k]` of a mapping output, else the attribute (a `ModelOutput` is both; a dataclass or a namedtuple the attribute)"
+    """`o[k]` of a mapping output, else the attribute (a `ModelOutput` is both; a dataclass or a namedtuple the
+    attribute)"""
     return o.get(k) if isinstance(o, Mapping) else getattr(o, k, None)
 
 def model_loss(pred):
@@ -83,13 +88,16 @@ def model_loss(pred):
 def _is_own(pred, loss)->bool:
     "Is `loss` the model's own (the loss function returned the output's `loss`, as `lambda out, *y: out.loss` does)?"
     l = model_loss(pred)
-    return l is not None and isinstance(loss, torch.Tensor) and (loss is l or (loss.ndim == 0 and loss.data_ptr() == l.data_ptr()))
+    return l is not None and isinstance(loss, torch.Tensor) and (loss is l
+                                                                 or (loss.ndim == 0
+                                                                     and loss.data_ptr() == l.data_ptr()))
 
 def _labels(xb):
     "The `labels` the model was given: a dict input's (Hugging Face's, blurr's batches), or None"
     return next((x['labels'] for x in xb if isinstance(x, Mapping) and isinstance(x.get('labels'), torch.Tensor)), None)
 
-# what each model's own loss averages over, found once per model: 'tokens' (labels not IGNORE_INDEX), 'shifted' (the same,
+# what each model's own loss averages over, found once per model: 'tokens' (labels not IGNORE_INDEX), 'shifted' (the
+# same,
 # but for the first position of each row: a causal LM predicts token t+1 at t), 'rows' (float labels: a mean over rows),
 # None (neither matches: unknown, the batch size rule stands and the fit start says so). Not kept while undecided.
 _RULES = weakref.WeakKeyDictionary()
@@ -135,9 +143,11 @@ def _own_rule(pred, labels, loss, declared=None)->tuple[str|None, bool]:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point(): return None,True
     lg,lb,cands = logits.detach().double(),labels.long(),{}
     if lg.ndim == lb.ndim+1 and lg.shape[:-1] == lb.shape:
-        cands['tokens'] = lambda: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE_INDEX)
+        cands['tokens'] = lambda: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1),
+                                                  ignore_index=IGNORE_INDEX)
         if lb.ndim >= 2:
-            cands['shifted'] = lambda: F.cross_entropy(lg[..., :-1, :].reshape(-1, lg.shape[-1]), lb[..., 1:].reshape(-1),
+            cands['shifted'] = lambda: F.cross_entropy(lg[..., :-1, :].reshape(-1, lg.shape[-1]),
+                                                       lb[..., 1:].reshape(-1),
                                                        ignore_index=IGNORE_INDEX)
     v = float(loss.detach().double())
     scale = max(abs(v), 1e-6)
@@ -152,8 +162,8 @@ def _own_rule(pred, labels, loss, declared=None)->tuple[str|None, bool]:
 
 def own_loss_items(learn)->torch.Tensor|None:
     """The count a model's own loss averages over (see `_own_rule`), for the micro-batch `learn` holds: the labels not
-    `IGNORE_INDEX`, shifted as a causal LM shifts them. None where the loss is not the model's own, or is a mean over rows
-    (the batch size is right), or its count cannot be told (said once at fit start: `counting_note`)"""
+    `IGNORE_INDEX`, shifted as a causal LM shifts them. None where the loss is not the model's own, or is a mean over
+    rows (the batch size is right), or its count cannot be told (said once at fit start: `counting_note`)"""
     pred,loss = getattr(learn, 'pred', None),getattr(learn, 'loss_grad', None)
     if not _is_own(pred, loss): return None
     labels = _labels(getattr(learn, 'xb', ()))
@@ -176,22 +186,24 @@ def counting_note(learn, n_items=None)->str|None:
     if _is_own(pred, loss):
         labels = _labels(learn.xb)
         if labels is not None and _RULES.get(learn.model, 'rows') is not None: return None
-        what = ("the model computes its own loss (the output's `loss`) and its count could not be told from its `labels` "
-                "and `logits`" if labels is not None else
+        what = ("the model computes its own loss (the output's `loss`) and its count could not be told from its "
+                "`labels` and `logits`" if labels is not None else
                 "the model computes its own loss (the output's `loss`) from labels not given in a dict input's `labels`")
     else:
-        if not any(isinstance(t, torch.Tensor) and not t.is_floating_point() and bool((t == IGNORE_INDEX).any()) for t in learn.yb):
+        if not any(isinstance(t, torch.Tensor) and not t.is_floating_point() and bool((t == IGNORE_INDEX).any())
+                   for t in learn.yb):
             return None
-        what = f"the loss is not one this library knows, and the targets hold {IGNORE_INDEX} (positions a loss leaves out)"
-    return (f"{what}: each micro-batch is weighed by its rows, which is the large batch's gradient only if the loss is a "
-            "mean over rows. If it averages over tokens, pass GradientAccumulation(n_items=lambda learn: <the count of "
-            "learn.yb the loss averages over>); learn.check_accumulation() names the cause ('n_items')")
+        what = (f"the loss is not one this library knows, and the targets hold {IGNORE_INDEX} (positions a loss leaves "
+                "out)")
+    return (f"{what}: each micro-batch is weighed by its rows, which is the large batch's gradient only if the loss is "
+            "a mean over rows. If it averages over tokens, pass GradientAccumulation(n_items=lambda learn: <the count "
+            "of learn.yb the loss averages over>); learn.check_accumulation() names the cause ('n_items')")
 
 def micro_items(learn, n_items=None, default=None):
     """The count a micro-batch's loss averages over, the one rule of training and of the check: `n_items(learn)` (the
-    user's), else that of a known weighted / `ignore_index` loss (`loss_items`), else `default` (the batch size). A number
-    or a 0-d float tensor (not synchronised: the window sums them on the device), in float64 where the loss is (so that
-    a float64 model's weights and counts are not rounded to float32), else in float32"""
+    user's), else that of a known weighted / `ignore_index` loss (`loss_items`), else `default` (the batch size). A
+    number or a 0-d float tensor (not synchronised: the window sums them on the device), in float64 where the loss is
+    (so that a float64 model's weights and counts are not rounded to float32), else in float32"""
     n = n_items(learn) if n_items is not None else loss_items(learn.loss_func, learn.yb)
     if n is None and n_items is None: n = own_loss_items(learn)
     if n is None: n = default

@@ -10,51 +10,69 @@ from ..compat.torch import BatchNormBase, compiled_with_cuda_graphs
 from ..compat.fastai import clear_epoch_events, epoch_events, set_epoch_events
 from .distributed import check_fsdp
 
-__all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys', 'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit', 'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
+__all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys',
+           'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit',
+           'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
            'refuse_at_fit_start', 'refuse_accumulation_conflicts', 'say_fastai_accumulation']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
-# -- interfaces by which the layers below a callback find it (by class, never by a name or `hasattr`) --------------------
+# -- interfaces by which the layers below a callback find it (by class, never by a name or `hasattr`)
+# --------------------
 class WindowOwner:
     """The window's owner (`GradientAccumulation`) as the parts beside and below it see it: `MicroBatching` finds it by
     this class and undoes a micro-batch through `window_state()` / `restore_window(state)`; `BatchNormAccumulation` and
     `GradientNoiseScale` follow its windows (`window_start`, `closes`, `on_window_close`). The owner holds `window` (a
     `window.state.Window`) and `window_listeners` (`Listeners`, called with `stepped` as a window closes)"""
     def window_state(self)->tuple[dict,bool]:
-        "What undoing the micro-batch in progress puts back in the window (`restore_window`), and whether the window holds gradients"
+        """What undoing the micro-batch in progress puts back in the window (`restore_window`), and whether the window
+        holds gradients"""
         return self.window.snapshot(),self.window.is_open
     def restore_window(self, state:dict): self.window.restore(state)
     @property
-    def window_start(self)->bool: "Is the micro-batch being processed the first of its window?"; return self.window.n_micro == 0
+    def window_start(self)->bool:
+        "Is the micro-batch being processed the first of its window?"; return self.window.n_micro == 0
     @property
-    def closes(self)->bool: "Does the micro-batch being processed close its window (step or drop)?"; return self.window.closes
+    def closes(self)->bool:
+        "Does the micro-batch being processed close its window (step or drop)?"; return self.window.closes
     def on_window_close(self, fn):
-        "Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients zeroed"
+        """Call `fn(stepped:bool)` each time a window closes: stepped, or dropped/skipped/cancelled with its gradients
+        zeroed"""
         return self.window_listeners.add(fn)
     def remove_window_listener(self, fn): self.window_listeners.discard(fn)
     # what the parts beside the window read of its size and rule (the owner's `plan` stays its own)
     @property
     def window_over_ranks(self)->bool:
-        "Is the window `target_bs` samples of all ranks together, the same samples on any number of them (`global_window`)?"
+        """Is the window `target_bs` samples of all ranks together, the same samples on any number of them
+        (`global_window`)?"""
         return self.plan.global_window
     @property
-    def window_samples(self)->int|None: "The window's samples now (over all ranks where `window_over_ranks`), None where it counts micro-batches"; return self.plan.target_bs() if self.plan.by_items else None
-    def window_batches(self, bs:int)->int: "Loader batches of `bs` items a full window takes on this rank now"; return self.plan.units(0, bs)
+    def window_samples(self)->int|None:
+        "The window's samples now (over all ranks where `window_over_ranks`), None where it counts micro-batches"
+        return self.plan.target_bs() if self.plan.by_items else None
+    def window_batches(self, bs:int)->int:
+        "Loader batches of `bs` items a full window takes on this rank now"; return self.plan.units(0, bs)
     @property
-    def window_partial(self)->str: "What is done with a window an epoch's end cuts short: 'step', 'drop' or 'carry'"; return self.plan.partial
+    def window_partial(self)->str:
+        "What is done with a window an epoch's end cuts short: 'step', 'drop' or 'carry'"; return self.plan.partial
     @property
-    def one_micro_windows(self)->bool: "Is every window one micro-batch (`n_step=1`)?"; return not self.plan.by_items and self.plan.sched.constant == 1
+    def one_micro_windows(self)->bool:
+        "Is every window one micro-batch (`n_step=1`)?"; return not self.plan.by_items and self.plan.sched.constant == 1
 
-def window_owner(learn)->WindowOwner|None: "The window's owner among `learn`'s callbacks (by this declared interface), or None"; return next((cb for cb in learn.cbs if isinstance(cb, WindowOwner)), None)
+def window_owner(learn)->WindowOwner|None:
+    "The window's owner among `learn`'s callbacks (by this declared interface), or None"
+    return next((cb for cb in learn.cbs if isinstance(cb, WindowOwner)), None)
 
 class RunningStatsPolicy:
     """Declared by a callback that decides whether training updates BatchNorm's running statistics
     (`BatchNormAccumulation`): `trained_bn_layers` finds it by this class, and so does what reads the layers training
     updates without naming BatchNorm's callback (resuming on another number of processes)"""
-    def keeps_running_stats(self)->bool: "Does training leave the running statistics as they are ('freeze')?"; return False
-    def pools_over_ranks(self)->bool: "In a `global_window` run, are they pooled over every rank's part of each window ('pool')?"; return False
-    def window_normalises(self)->bool: "Is every micro-batch normalised with its whole window's statistics ('window')?"; return False
+    def keeps_running_stats(self)->bool:
+        "Does training leave the running statistics as they are ('freeze')?"; return False
+    def pools_over_ranks(self)->bool:
+        "In a `global_window` run, are they pooled over every rank's part of each window ('pool')?"; return False
+    def window_normalises(self)->bool:
+        "Is every micro-batch normalised with its whole window's statistics ('window')?"; return False
 
 def bn_layers_with_stats(model:nn.Module)->list:
     "The BatchNorm layers (Batch Renorm's included) that keep running statistics"
@@ -62,15 +80,16 @@ def bn_layers_with_stats(model:nn.Module)->list:
 
 def trained_bn_layers(model:nn.Module, learn=None)->list:
     """The BatchNorm layers whose running statistics training updates: in a model in training mode, those in training
-    mode (a layer frozen in eval, by fastai's `BnFreeze` or by hand, keeps its statistics); in a model in eval mode (after
-    fit), those training would put in training mode: all, but for what `learn`'s `BnFreeze` (a layer whose parameters
-    do not train) or `BatchNormAccumulation('freeze')` freezes"""
+    mode (a layer frozen in eval, by fastai's `BnFreeze` or by hand, keeps its statistics); in a model in eval mode
+    (after fit), those training would put in training mode: all, but for what `learn`'s `BnFreeze` (a layer whose
+    parameters do not train) or `BatchNormAccumulation('freeze')` freezes"""
     bns = bn_layers_with_stats(model)
     if model.training: return [bn for bn in bns if bn.training]
     if learn is None: return bns
     if any(isinstance(cb, RunningStatsPolicy) and cb.keeps_running_stats() for cb in learn.cbs): return []
     if any(isinstance(cb, BnFreeze) for cb in learn.cbs):
-        return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False)) or not list(bn.parameters(recurse=False))]
+        return [bn for bn in bns if any(p.requires_grad for p in bn.parameters(recurse=False))
+                or not list(bn.parameters(recurse=False))]
     return bns
 
 class ResumeSignature:
@@ -84,7 +103,9 @@ class ResumeSignature:
         ResumeSignature._declared.append(cls)
     def resume_signature(self)->dict: return {}
 
-def resume_keys()->list: "Every declared key (`ResumeSignature`)"; return list(dict.fromkeys(k for c in ResumeSignature._declared for k in c.resume_keys))
+def resume_keys()->list:
+    "Every declared key (`ResumeSignature`)"
+    return list(dict.fromkeys(k for c in ResumeSignature._declared for k in c.resume_keys))
 
 def resume_signatures(learn)->dict:
     "`{key: value}` of every declared key: the callbacks' on `learn`, None for the others"
@@ -162,7 +183,8 @@ def remove_fit_guard(learn, key):
     g.cleanups.pop(key, None)
     if not g.cleanups: clear_epoch_events(learn)
 
-# -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up ------
+# -- refusals at the start of a fit: the first of our callbacks' `before_fit` makes them, before any of ours sets up
+# ------
 def one_per_learner(hint:str):
     "Class decorator for our callbacks a Learner holds once (`refuse_twins`; `hint` says how to add it once)"
     def deco(cls):
@@ -175,12 +197,14 @@ def _own_class(cb):
     return next((c for c in type(cb).__mro__ if 'one_per_learner' in c.__dict__), None)
 
 def refuse_twins(learn):
-    "A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and rescale)"
+    """A Learner holds at most one of each of our callbacks (two `GradientAccumulation`s would each skip steps and
+    rescale)"""
     for c in {_own_class(cb) for cb in learn.cbs} - {None}:
         idx = [i for i,cb in enumerate(learn.cbs) if _own_class(cb) is c]
         if len(idx) > 1:
             raise ValueError(f"This Learner has {len(idx)} `{c.__name__}` callbacks (`learn.cbs` {idx}); it takes one. "
-                             f"{c.one_per_learner} Remove the one you do not want: `learn.remove_cb(learn.cbs[{idx[-1]}])`")
+                             f"{c.one_per_learner} Remove the one you do not want: "
+                             f"`learn.remove_cb(learn.cbs[{idx[-1]}])`")
 
 def refuse_at_fit_start(learn):
     """Every refusal of every callback on `learn` (twins of ours, then each one's `refuse_fit()` in event order), made
@@ -194,26 +218,29 @@ def refuse_at_fit_start(learn):
         if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
 
 def say_fastai_accumulation(learn):
-    """fastai's `GradientAccumulation` where ours is not on the Learner: the name was fastai's when the callback was made
-    (`from fastai.vision.all import *` after `from accum_callback import ...` rebinds it), said before it trains inexactly
-    by the first of our callbacks to start the fit (a `BatchNormAccumulation`, a `Checkpoint` beside it)"""
+    """fastai's `GradientAccumulation` where ours is not on the Learner: the name was fastai's when the callback was
+    made (`from fastai.vision.all import *` after `from accum_callback import ...` rebinds it), said before it trains
+    inexactly by the first of our callbacks to start the fit (a `BatchNormAccumulation`, a `Checkpoint` beside it)"""
     if any(isinstance(cb, WindowOwner) for cb in learn.cbs): return   # (both: `refuse_accumulation_conflicts`)
     if any(isinstance(cb, FastaiGradientAccumulation) for cb in learn.cbs):
         import warnings   # (said, not refused: fastai's callback beside our others may be meant)
-        warnings.warn("cbs holds fastai's GradientAccumulation, not accum_callback's (inexact): `from fastai.vision.all import *` "
-                      "after `from accum_callback import GradientAccumulation` rebinds the name to fastai's. Import "
-                      "accum_callback after fastai's star import, or call learn.accumulate(n_acc=...), which puts ours in its place",
+        warnings.warn("cbs holds fastai's GradientAccumulation, not accum_callback's (inexact): `from "
+                      "fastai.vision.all import *` after `from accum_callback import GradientAccumulation` rebinds the "
+                      "name to fastai's. Import accum_callback after fastai's star import, or call "
+                      "learn.accumulate(n_acc=...), which puts ours in its place",
                       stacklevel=4)
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"
     if any(isinstance(cb, FastaiGradientAccumulation) for cb in learn.cbs):
-        raise ValueError("Two gradient accumulation callbacks are on this Learner: `accum_callback.GradientAccumulation` "
-                         "and fastai's `fastai.callback.training.GradientAccumulation`; they would both rescale "
-                         "and skip steps. Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` "
-                         "(or use `learn.accumulate(...)`, which replaces it)")
+        raise ValueError("Two gradient accumulation callbacks are on this Learner: "
+                         "`accum_callback.GradientAccumulation` and fastai's "
+                         "`fastai.callback.training.GradientAccumulation`; they would both rescale and skip steps. "
+                         "Remove fastai's: `learn.remove_cb(fastai.callback.training.GradientAccumulation)` (or use "
+                         "`learn.accumulate(...)`, which replaces it)")
     check_fsdp(learn.model)
     if compiled_with_cuda_graphs(learn.model):
-        raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): their "
-                         "reused output buffers corrupt gradients accumulated over several backward passes (PyTorch "
-                         "issues 96693, 181723). Compile with `mode='default'` or `mode='max-autotune-no-cudagraphs'`")
+        raise ValueError("The model is `torch.compile`d with CUDA graphs (mode='reduce-overhead' or 'max-autotune'): "
+                         "their reused output buffers corrupt gradients accumulated over several backward passes "
+                         "(PyTorch issues 96693, 181723). Compile with `mode='default'` or "
+                         "`mode='max-autotune-no-cudagraphs'`")

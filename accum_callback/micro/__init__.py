@@ -12,5 +12,6 @@ from .state import copy_module, StatefulModelError, stateful_modules, RowStates
 from .loader import Piece, MicroBatches
 from .callback import MicroBatching, check_micro_bs, micro_batching, micro_size
 
-__all__ = ['MicroBatching', 'check_micro_bs', 'micro_batching', 'micro_size', 'Piece', 'MicroBatches', 'is_out_of_memory', 'n_pieces', 'piece_bounds', 'halved',
+__all__ = ['MicroBatching', 'check_micro_bs', 'micro_batching', 'micro_size', 'Piece', 'MicroBatches',
+           'is_out_of_memory', 'n_pieces', 'piece_bounds', 'halved',
            'slice_batch', 'cat_outputs', 'copy_module', 'StatefulModelError', 'stateful_modules', 'RowStates']

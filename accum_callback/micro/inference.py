@@ -1,5 +1,5 @@
-"""Inference batches under `MicroBatching('auto')` (fit's validation, `validate`, `get_preds`, `predict`, `tta`): when the
-model's forward or the loss runs out of memory, that call is re-run in pieces of half the size (then a quarter, ...)
+"""Inference batches under `MicroBatching('auto')` (fit's validation, `validate`, `get_preds`, `predict`, `tta`): when
+the model's forward or the loss runs out of memory, that call is re-run in pieces of half the size (then a quarter, ...)
 and joined, so that the callbacks, the loss value and every metric see the whole batch."""
 from __future__ import annotations
 import gc, warnings
@@ -22,7 +22,8 @@ class InferenceCutter:
     def __init__(self): self.size,self.learn,self.rows,self.train_size = None,None,None,None
 
     def one_batch(self, one_batch, i, b):
-        learn,model = self.learn,unwrap(self.learn.model)   # under DDP the wrapped module: DDP's own forward runs once per batch
+        # under DDP the wrapped module: DDP's own forward runs once per batch
+        learn,model = self.learn,unwrap(self.learn.model)
         own = model.__dict__.get('forward')
         fwd = own if own is not None else model.forward
         model.forward = lambda *args, **kw: self._cut(fwd, args, kw, self._forward_pieces)
@@ -35,7 +36,8 @@ class InferenceCutter:
             else: model.forward = own
 
     def _cut(self, fn, args, kw, pieces):
-        "`fn(*args, **kw)` on the whole batch, or in `pieces(fn, args, kw, n, size)` after an out-of-memory error, halving"
+        """`fn(*args, **kw)` on the whole batch, or in `pieces(fn, args, kw, n, size)` after an out-of-memory error,
+        halving"""
         n = batch_size(args) or 1
         while True:
             size = self.size
@@ -58,7 +60,8 @@ class InferenceCutter:
                                    "(`dls.valid.bs`)") from None
             self.size = halved(cur)
             warnings.warn(f"GradientAccumulation: out of memory in inference with a batch of {cur} ({msg}); inference "
-                          f"batches are now cut into pieces of {self.size} (training keeps micro_bs {self.train_size})", stacklevel=2)
+                          f"batches are now cut into pieces of {self.size} (training keeps micro_bs {self.train_size})",
+                          stacklevel=2)
 
     def _forward_pieces(self, fwd, args, kw, n:int, size:int):
         "The model's outputs of the batch's pieces, joined; a stateful model runs each piece from its own rows"
@@ -80,7 +83,8 @@ class InferenceCutter:
         return out
 
     def _own_count(self, out, xb, rows:int):
-        "What a piece's own loss (a `ModelOutput`'s 0-d `loss`) averages over, as training counts it; its rows otherwise"
+        """What a piece's own loss (a `ModelOutput`'s 0-d `loss`) averages over, as training counts it; its rows
+        otherwise"""
         loss = model_loss(out)
         if loss is None: return None
         c = own_loss_items(_PieceView(out, loss, tuple(xb), self.learn.model))
@@ -88,8 +92,8 @@ class InferenceCutter:
 
     @staticmethod
     def _loss_pieces(lf, args, kw, n:int, size:int):
-        """The loss of the whole batch from its pieces' losses `lf(pred[s:e], *yb[s:e])`: a sum for a loss that sums, else
-        the mean weighted by the count each piece's mean is over (`loss_items`: class weights, `ignore_index`), the
+        """The loss of the whole batch from its pieces' losses `lf(pred[s:e], *yb[s:e])`: a sum for a loss that sums,
+        else the mean weighted by the count each piece's mean is over (`loss_items`: class weights, `ignore_index`), the
         piece's items otherwise; per-item losses (reduction 'none') joined"""
         outs,ns = [],[]
         for s,e in piece_bounds(n, size):
@@ -101,7 +105,8 @@ class InferenceCutter:
         loss = torch.stack(outs)
         if loss_reduction(lf) == 'sum': return loss.sum()
         w = torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in ns]).to(loss.device)
-        return (torch.where(w > 0, loss.float()*w, 0.).sum()/w.sum()).to(loss.dtype)   # a piece of no item counts nothing
+        # a piece of no item counts nothing
+        return (torch.where(w > 0, loss.float()*w, 0.).sum()/w.sum()).to(loss.dtype)
 
 class _PieceView:
     "What `own_loss_items` reads of a piece: its output, its loss, its inputs, the model"
@@ -113,11 +118,14 @@ def _joined(outs:list, counts:list):
     what cannot be joined (a key-value cache object) left out"""
     o = outs[0]
     if model_loss(o) is None or not isinstance(o, Mapping): return cat_outputs(outs)
-    keep = [k for k,v in o.items() if k != 'loss' and (v is None or isinstance(v, (torch.Tensor, tuple, list, Mapping)))]
-    rest = cat_outputs([{k: x[k] for k in keep} for x in outs])   # (a key-value cache of pieces is no batch's: left out)
+    keep = [k for k,v in o.items() if k != 'loss'
+            and (v is None or isinstance(v, (torch.Tensor, tuple, list, Mapping)))]
+    # (a key-value cache of pieces is no batch's: left out)
+    rest = cat_outputs([{k: x[k] for k in keep} for x in outs])
     loss = torch.stack([x['loss'] for x in outs])
     w = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).to(loss.device)
-    joined = (torch.where(w > 0, loss.double()*w, 0.).sum()/w.sum()).to(loss.dtype)   # a piece of no item counts nothing
+    # a piece of no item counts nothing
+    joined = (torch.where(w > 0, loss.double()*w, 0.).sum()/w.sum()).to(loss.dtype)
     return mapping_like(o, {'loss': joined, **rest})
 
 class _CutLoss:

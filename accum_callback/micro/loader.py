@@ -1,5 +1,5 @@
-"""The training loader, cut: each loader batch into near-equal micro-batches (`piece_bounds`'s rule), read by fastai's loop
-in place of `learn.dl`; and `Piece`, what `GradientAccumulation` reads of the piece being run."""
+"""The training loader, cut: each loader batch into near-equal micro-batches (`piece_bounds`'s rule), read by fastai's
+loop in place of `learn.dl`; and `Piece`, what `GradientAccumulation` reads of the piece being run."""
 from __future__ import annotations
 from dataclasses import dataclass
 
@@ -8,7 +8,8 @@ from fastai.torch_core import find_bs, to_device
 
 from ..core.batches import prepare_batch
 from ..core.distributed import is_distributed
-from ..core.loaders import FeedLoader, ReadAhead, batch_sizes, model_device, own_loader, with_last   # (re-exported: their home before 0.3)
+# (re-exported: their home before 0.3)
+from ..core.loaders import FeedLoader, ReadAhead, batch_sizes, model_device, own_loader, with_last
 from .pieces import n_pieces, next_piece, piece_bounds, slice_batch
 
 __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batch_sizes', 'model_device', 'own_loader',
@@ -17,8 +18,9 @@ __all__ = ['Piece', 'MicroBatches', 'CutLoader', 'ReadAhead', 'with_last', 'batc
 
 def loader_pieces(learn, size:int|None, shuffle:bool=False, seed:int=0, epochs:int=1, drop_last:bool|None=None):
     """Yield `(micro-batch, (rows start, rows end, loader batch size))` of `own_loader`'s batches, each cut into the
-    pieces `MicroBatching(size)` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes; each piece as the training
-    step sees it (`prepare_batch`: the device, fastai's casting, the callbacks' `before_batch`), inputs then targets"""
+    pieces `MicroBatching(size)` cuts it into (`piece_bounds`; None: uncut), over `epochs` passes; each piece as the
+    training step sees it (`prepare_batch`: the device, fastai's casting, the callbacks' `before_batch`), inputs then
+    targets"""
     dl = own_loader(learn, shuffle, seed, drop_last)
     for _ in range(epochs):
         for b in dl:
@@ -44,7 +46,8 @@ class MicroBatches(FeedLoader):
     """The training loader with each of its batches cut into `ceil(n / size)` near-equal micro-batches (none larger than
     the size in force, none needlessly small: a BatchNorm layer cannot train on one item). Everything else is the real
     loader's (`bs`, `device`, `dataset`, ...). After an out-of-memory error `retry` makes it cut the same samples again,
-    at the size in force then. `mb` is the `MicroBatching` callback: its `size`, `rows`, `batch_started`/`batch_done`."""
+    at the size in force then. `mb` is the `MicroBatching` callback: its `size`, `rows`,
+    `batch_started`/`batch_done`."""
     def __init__(self, dl, mb):
         super().__init__(dl); self.mb = mb
         self.piece,self.batch_index,self.retry,self._nom = Piece(),-1,False,None
@@ -65,8 +68,10 @@ class MicroBatches(FeedLoader):
         return rest + k
     def __iter__(self):
         nb,bs,mb = len(self.dl),self.dl.bs,self.mb
-        for bi,(b,last) in enumerate(with_last(self.feed(self.dl)), start=self.feed.skip - (self.feed.first is not None)):
-            n,self.batch = find_bs(b),b   # (`batch`: the loader batch being cut, whose pieces 'window' measures at its start)
+        for bi,(b,last) in enumerate(with_last(self.feed(self.dl)),
+                                     start=self.feed.skip - (self.feed.first is not None)):
+            # (`batch`: the loader batch being cut, whose pieces 'window' measures at its start)
+            n,self.batch = find_bs(b),b
             # under DDP/FSDP2 every rank cuts as many pieces (fastai's Recorder gathers each; FSDP2's collectives match)
             self._nom = bs if (is_distributed(mb.learn.model) and bs) else None
             p = self.piece = Piece(serial=mb.batch_started(n), batch_n=n, last_batch=last)

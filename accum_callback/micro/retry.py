@@ -31,7 +31,8 @@ class Snapshot:
                     for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
             renorms = [m for m in model.modules() if hasattr(m, 'renorm_steps')]
             params = [p for p,*_ in learn.opt.all_params()] if getattr(learn, 'opt', None) else list(model.parameters())
-            self._state = dict(bufs=bufs, buf_copy=[t.clone() for t in bufs], renorms=renorms, params=params, grad_copy=None)
+            self._state = dict(bufs=bufs, buf_copy=[t.clone() for t in bufs], renorms=renorms, params=params,
+                               grad_copy=None)
         return self._state
 
     def take(self):
@@ -52,13 +53,15 @@ class Snapshot:
             if ps: foreach('copy_')(st['grad_copy'][1], [p.grad for p in ps])
 
     def undo(self, drop:bool=True):
-        "Put back everything the micro-batch in progress touched; `drop` its tensors (not kept for a cancel's `after_batch`)"
+        """Put back everything the micro-batch in progress touched; `drop` its tensors (not kept for a cancel's
+        `after_batch`)"""
         learn,snap,st = self.learn,self.snap,self._state
         if drop: learn.pred = learn.loss = learn.loss_grad = None
         dev = snap['dev']
         if dev.type in ('cuda', 'cpu') and autocast_enabled(dev.type) and not snap['autocast']:
             for cb in learn.cbs:   # MixedPrecision enters autocast in `before_batch` and leaves it in `after_loss`
-                if isinstance(cb, MixedPrecision) and getattr(cb, 'autocast', None) is not None: cb.autocast.__exit__(None, None, None)
+                if isinstance(cb, MixedPrecision) and getattr(cb, 'autocast', None) is not None:
+                    cb.autocast.__exit__(None, None, None)
         self.listeners()
         gc.collect()
         if dev.type == 'cuda': torch.cuda.empty_cache()

@@ -12,8 +12,9 @@ from ..core.distributed import unwrap
 __all__ = ['copy_module', 'StatefulModelError', 'stateful_modules', 'refuse_stateful', 'RowStates']
 
 def _computed_tensors(model:nn.Module, depth:int=3):
-    """Tensors computed in a forward (not graph leaves) that the modules keep as attributes, inside lists, tuples and dicts
-    too, or that objects they hold keep (fastai's `Hook.stored`, in a U-Net's blocks), up to `depth` objects away"""
+    """Tensors computed in a forward (not graph leaves) that the modules keep as attributes, inside lists, tuples and
+    dicts too, or that objects they hold keep (fastai's `Hook.stored`, in a U-Net's blocks), up to `depth` objects
+    away"""
     seen,level = set(),[vars(m) for m in model.modules()]
     for _ in range(depth):
         nxt = []
@@ -21,7 +22,8 @@ def _computed_tensors(model:nn.Module, depth:int=3):
             for t in tree_flatten(d)[0]:
                 if isinstance(t, torch.Tensor):
                     if not t.is_leaf: yield t
-                elif not isinstance(t, (nn.Module, type)) and isinstance(getattr(t, '__dict__', None), dict) and id(t) not in seen:
+                elif not isinstance(t, (nn.Module, type)) and isinstance(getattr(t, '__dict__', None),
+                                                                         dict) and id(t) not in seen:
                     seen.add(id(t)); nxt.append(vars(t))
         level = nxt
 
@@ -83,7 +85,8 @@ def _holds_no_state(m)->bool:
 
 def _resets_batch_state(m)->bool:
     """Does `m` have fastai's sign of batch state, a `reset()` that `ModelResetter` can call with no argument? A `reset`
-    that takes required arguments is something else (timm's classifier heads: `reset(num_classes)` rebuilds the layer)"""
+    that takes required arguments is something else (timm's classifier heads: `reset(num_classes)` rebuilds the
+    layer)"""
     f = getattr(m, 'reset', None)
     if not callable(f): return False
     try: inspect.signature(f).bind()
@@ -98,19 +101,22 @@ def _declares_state(m)->bool:
     return _resets_batch_state(m) and not _known_stateless(m)
 
 def stateful_modules(model:nn.Module)->tuple[list, list]:
-    """`(splittable, unsplittable)`: the modules of `model` that carry state from one batch to the next. Splittable: fastai's
-    `AWD_LSTM`/`AWD_QRNN`, and any module with `get_batch_state(bs)` and `set_batch_state(state)`. Unsplittable: any other
-    module that declares state (`carries_batch_state = True`, or a `reset()` callable without arguments: fastai's sign of
-    a model with state, which `ModelResetter` calls; a `reset` that needs arguments is not it). Not counted: what sits
-    inside a module that holds no state (`carries_batch_state = False`, or fastai's `SentenceEncoder`, which resets its
-    AWD_LSTM at every forward), and modules inside a splittable one (its own business)."""
+    """`(splittable, unsplittable)`: the modules of `model` that carry state from one batch to the next. Splittable:
+    fastai's `AWD_LSTM`/`AWD_QRNN`, and any module with `get_batch_state(bs)` and `set_batch_state(state)`.
+    Unsplittable: any other module that declares state (`carries_batch_state = True`, or a `reset()` callable without
+    arguments: fastai's sign of a model with state, which `ModelResetter` calls; a `reset` that needs arguments is not
+    it). Not counted: what sits inside a module that holds no state (`carries_batch_state = False`, or fastai's
+    `SentenceEncoder`, which resets its AWD_LSTM at every forward), and modules inside a splittable one (its own
+    business)."""
     model = unwrap(model)
     ok,bad,skip = [],[],set()
     for m in model.modules():
         if id(m) in skip: continue
         if _holds_no_state(m): skip.update(id(c) for c in m.modules()); continue
-        if callable(getattr(m, 'get_batch_state', None)) and callable(getattr(m, 'set_batch_state', None)): a = _ProtocolState(m)
-        elif type(m).__name__ in ('AWD_LSTM', 'AWD_QRNN') and hasattr(m, 'hidden') and hasattr(m, '_change_hidden'): a = _AWDState
+        if callable(getattr(m, 'get_batch_state', None)) and callable(getattr(m, 'set_batch_state', None)):
+            a = _ProtocolState(m)
+        elif type(m).__name__ in ('AWD_LSTM', 'AWD_QRNN') and hasattr(m, 'hidden') and hasattr(m, '_change_hidden'):
+            a = _AWDState
         elif _declares_state(m): bad.append(m); continue
         else: continue
         ok.append((m, a))
@@ -120,16 +126,18 @@ def stateful_modules(model:nn.Module)->tuple[list, list]:
 def refuse_stateful(bad:list, model:nn.Module):
     names = ', '.join(sorted({type(m).__name__ for m in bad}))
     raise StatefulModelError(
-        f"MicroBatching(size): the model carries state from one batch to the next ({names} declares it: a `reset()` without "
-        "arguments, or `carries_batch_state = True`), and each micro-batch would start from another micro-batch's rows. "
-        "Give the module `get_batch_state(bs)` and `set_batch_state(state)` (see docs/micro_batching.md: rows along "
-        "`batch_state_dim`), set `carries_batch_state = False` on it if it holds no state between batches, or feed the "
-        "loader micro-batches and accumulate with `n_step` instead of `MicroBatching`")
+        f"MicroBatching(size): the model carries state from one batch to the next ({names} declares it: a `reset()` "
+        "without arguments, or `carries_batch_state = True`), and each micro-batch would start from another "
+        "micro-batch's rows. Give the module `get_batch_state(bs)` and `set_batch_state(state)` (see "
+        "docs/micro_batching.md: rows along `batch_state_dim`), set `carries_batch_state = False` on it if it holds no "
+        "state between batches, or feed the loader micro-batches and accumulate with `n_step` instead of "
+        "`MicroBatching`")
 
 class RowStates:
     """The per-row state of a batch cut into pieces: each piece starts from its own rows of the state the whole batch
     would start from, and what it leaves is written back into those rows; after the last piece the module holds the
-    state of the whole batch, as if it had not been cut. A piece run again (out-of-memory retry) starts from the same rows.
+    state of the whole batch, as if it had not been cut. A piece run again (out-of-memory retry) starts from the same
+    rows.
 
     A `reset()` of a module while its batch is cut (a callback that resets the state before every batch, which fastai
     calls for every piece) is respected: the rows of the pieces from then on start from the state the reset left, as
@@ -152,7 +160,8 @@ class RowStates:
         self.piece = None
         for (m,a),out in zip(self.mods, self.s_out):
             for i,t in enumerate(_flat(a.current(m, e-s))[0]):
-                if out[i].dtype != t.dtype or out[i].device != t.device: out[i] = out[i].to(t)   # e.g. zeros of the default dtype
+                # e.g. zeros of the default dtype
+                if out[i].dtype != t.dtype or out[i].device != t.device: out[i] = out[i].to(t)
                 out[i].narrow(a.dim, s, e-s).copy_(t.detach())
     def end(self):
         if self.n is None: return
@@ -165,13 +174,15 @@ class RowStates:
         if self.n is not None:   # the rows still to run start from the reset state, for every piece
             (m,a) = self.mods[i]
             self.s_in[i] = _flat(a.get(m, self.n))
-            if self.piece is not None: self._set_rows(i, *self.piece)   # reset inside a piece: it runs from its rows of it
+            # reset inside a piece: it runs from its rows of it
+            if self.piece is not None: self._set_rows(i, *self.piece)
         return res
     def watch(self):
         "Wrap each module's `reset` (an instance attribute, removed by `unwatch`)"
         for i,(m,_) in enumerate(self.mods):
             orig = getattr(m, 'reset', None)
-            if callable(orig) and 'reset' not in m.__dict__: m.__dict__['reset'] = functools.partial(self._reset, i, orig)
+            if callable(orig) and 'reset' not in m.__dict__:
+                m.__dict__['reset'] = functools.partial(self._reset, i, orig)
     def unwatch(self):
         for m,_ in self.mods:
             f = m.__dict__.get('reset')

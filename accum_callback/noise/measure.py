@@ -27,15 +27,16 @@ from .scale import noise_estimates, ratio_of, sq_norm
 
 __all__ = ['NoiseScaleReport']
 
-# -- learn.noise_scale(): one measurement before training ---------------------------------------------------------------
+# -- learn.noise_scale(): one measurement before training
+# ---------------------------------------------------------------
 @dataclass
 class NoiseScaleReport:
     """What `learn.noise_scale()` measured at the current weights: `b_simple` (ratio of the mean estimates of tr(S) and
     |G|^2 over `n_windows` windows), `interval` (95%, bootstrap over the windows), `g2` and `trace`, the micro-batch and
     window sizes in items (`b`, `B`), and what to accumulate to for an effective batch of B_simple with this loader:
-    `target_bs` and `n_step` (micro-batches of the loader's batch). Where no estimate can be made (the mean gradient lost in
-    the noise, no finite window) `target_bs` and `n_step` are None and `reason` says why; `n_skipped`: windows left out
-    because a loss or gradient in them was not finite"""
+    `target_bs` and `n_step` (micro-batches of the loader's batch). Where no estimate can be made (the mean gradient
+    lost in the noise, no finite window) `target_bs` and `n_step` are None and `reason` says why; `n_skipped`: windows
+    left out because a loss or gradient in them was not finite"""
     b_simple: float
     interval: tuple
     g2: float
@@ -63,43 +64,55 @@ class NoiseScaleReport:
         if self.target_bs is not None and self.target_bs <= self.b:   # one micro-batch is already that large
             suggested = f"no accumulation: B_simple is at most one micro-batch of {self.b:.3g} items (n_step=1)"
         return '\n'.join(['noise_scale', '-'*72,
-            (f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} {self.what}{skipped})"
+            (f"B_simple          {self.b_simple:.3g} items (95% {lo:.3g} to {hi:.3g}, {self.n_windows} "
+             f"{self.what}{skipped})"
              if math.isfinite(self.b_simple) else
-             f"B_simple          not estimated ({self.n_windows} {self.what}{skipped})" + (f": above {lo:.3g} items at 95%" if lo > 0 else '')),
+             f"B_simple          not estimated ({self.n_windows} {self.what}{skipped})" + (f": above {lo:.3g} items at "
+                                                                                           "95%" if lo > 0 else '')),
             f"|G|^2, tr(S)      {self.g2:.3g}, {self.trace:.3g}",
-            f"measured with     micro-batches of {self.b:.3g} items " + (f"in windows of {self.B:.3g}" if self.what == 'windows' else 'pooled')
+            f"measured with     micro-batches of {self.b:.3g} items " + (f"in windows of {self.B:.3g}"
+                                                                         if self.what == 'windows' else 'pooled')
             + (f"; read {read}" if read else ''),
             f"suggested         {suggested}"])
     __repr__ = __str__
 
 def _ratio(g2, tr)->float:
-    "tr(S)/|G|^2 of the windows' mean estimates: nan where no noise is measured, inf where the mean gradient is lost in it"
+    """tr(S)/|G|^2 of the windows' mean estimates: nan where no noise is measured, inf where the mean gradient is lost
+    in it"""
     g,t = float(np.mean(g2)),float(np.mean(tr))
     return ratio_of(g, t)
 
 @patch
 def noise_scale(self:Learner,
-    n_windows:int|None=None, # windows to measure (each a training window's compute, no step); None: as many as `max_items` allows, fewer once the interval is narrow
-    n_step:int|None=None, # micro-batches a window (default: 8, fewer where `max_items` would hold under 8 windows; at least 2)
+    # windows to measure (each a training window's compute, no step); None: as many as `max_items` allows, fewer once
+    # the interval is narrow
+    n_windows:int|None=None,
+    # micro-batches a window (default: 8, fewer where `max_items` would hold under 8 windows; at least 2)
+    n_step:int|None=None,
     seed:int=0, # which shuffled windows of the training loader
-    quiet:bool=True, # BatchNorm normalising with its running statistics and dropout off: only the data's noise is measured
-    max_items:int|None=None, # items to read at most with `n_windows=None` (default: a quarter of the training set, at least 4 windows of 2 micro-batches)
-    rel_width:float=1.5, # with `n_windows=None`: stop once the 95% interval's high end is within this factor of its low end
+    # BatchNorm normalising with its running statistics and dropout off: only the data's noise is measured
+    quiet:bool=True,
+    # items to read at most with `n_windows=None` (default: a quarter of the training set, at least 4 windows of 2
+    # micro-batches)
+    max_items:int|None=None,
+    # with `n_windows=None`: stop once the 95% interval's high end is within this factor of its low end
+    rel_width:float=1.5,
 )->NoiseScaleReport:
     """Measure the gradient noise scale B_simple at the current weights over windows of the training loader (shuffled,
     with `seed`), on a copy of the model: no step, and the Learner's weights, optimizer, RNG states and BatchNorm
     statistics are left as they were. `quiet` (the default): BatchNorm layers normalise with their running statistics
     (training couples a micro-batch's samples through its statistics, which biases the estimate) and dropout is off (its
-    noise is not the data's); `quiet=False` measures the model as it trains. By default it reads at most a quarter of the
-    training set (`max_items`) and stops earlier once the 95% interval is narrow (`rel_width`); `n_windows` measures that
-    many, and the report says when they read more items than the set holds. Returns the estimate with its interval and
-    the `target_bs`/`n_step` that accumulate an effective batch of B_simple, or none, with the reason, where it cannot
-    be estimated"""
+    noise is not the data's); `quiet=False` measures the model as it trains. By default it reads at most a quarter of
+    the training set (`max_items`) and stops earlier once the 95% interval is narrow (`rel_width`); `n_windows` measures
+    that many, and the report says when they read more items than the set holds. Returns the estimate with its interval
+    and the `target_bs`/`n_step` that accumulate an effective batch of B_simple, or none, with the reason, where it
+    cannot be estimated"""
     ga = next((cb for cb in self.cbs if isinstance(cb, GradientAccumulation)), None)
     if n_windows is not None: n_windows = whole_number(n_windows, 'n_windows', lo=2)
     if max_items is not None: max_items = whole_number(max_items, 'max_items', lo=1)
     if isinstance(rel_width, bool) or not isinstance(rel_width, (int, float)) or not rel_width > 1:
-        raise ValueError(f"`rel_width` must be a number > 1 (the interval's high end over its low end), got {rel_width!r}")
+        raise ValueError("`rel_width` must be a number > 1 (the interval's high end over its low end), got "
+                         f"{rel_width!r}")
     if n_step is not None: n_step = whole_number(n_step, 'n_step', lo=2)
     if is_fsdp(self.model): raise ValueError("noise_scale: the model is sharded with FSDP2; measure before sharding it")
     with rngs_kept():
@@ -108,7 +121,8 @@ def noise_scale(self:Learner,
         per_epoch = sum(n_pieces(n, size) if size else 1 for n in batch_sizes(dl))
         if per_epoch < 1:
             raise ValueError(f"noise_scale: the training loader gives no full batch of {getattr(dl, 'bs', '?')} items "
-                             f"(the training set holds {getattr(dl, 'n', '?')}): nothing to measure; use a smaller batch size")
+                             f"(the training set holds {getattr(dl, 'n', '?')}): nothing to measure; use a smaller "
+                             "batch size")
         piece = size or getattr(dl, 'bs', None) or 1
         set_items = getattr(dl, 'n', None) or per_epoch*piece
         bna = next((cb for cb in self.cbs if isinstance(cb, BatchNormAccumulation)), None)
@@ -124,7 +138,8 @@ def noise_scale(self:Learner,
                 if len(pool.groups) >= 4 and pool.narrow(seed, rel_width): break
             rep = pool.report(seed, getattr(self.dls.train, 'bs', None))
         else:
-            if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)   # B - b large: a steadier |G|^2
+            # B - b large: a steadier |G|^2
+            if n_step is None: n_step = max(8, ga.window_n_step if ga is not None else 8)
             stream = loader_pieces(self, size, shuffle=True, seed=seed, epochs=-(-n_windows*n_step//max(per_epoch, 1)))
             r,per = None,[]
             for i in range(n_windows):   # one window in memory at a time
@@ -138,15 +153,16 @@ def noise_scale(self:Learner,
     return rep
 
 class _Pooled:
-    """Every micro-batch read, pooled (the default of `learn.noise_scale()`): micro-batch i's summed gradient s_i over n_i
-    items has E<s_i, s_l> = n_i n_l |G|^2 for i != l and E|s_i|^2 = n_i^2 |G|^2 + n_i tr(S), so with N = sum n_i,
+    """Every micro-batch read, pooled (the default of `learn.noise_scale()`): micro-batch i's summed gradient s_i over
+    n_i items has E<s_i, s_l> = n_i n_l |G|^2 for i != l and E|s_i|^2 = n_i^2 |G|^2 + n_i tr(S), so with N = sum n_i,
     Q = sum n_i^2, A = sum |s_i|^2 and T = sum s_i:
 
         |G|^2 ~ (|T|^2 - A) / (N^2 - Q)        tr(S) ~ (A - Q |G|^2) / N
 
-    (the window estimator's, over one window of everything read: every pair of micro-batches measures the mean gradient).
-    The micro-batches are read in groups; the groups' summed gradients (one flat copy each) and their inner products are
-    kept, so the bootstrap resamples groups with the pairs inside a group counted once, and a group never pairs with itself"""
+    (the window estimator's, over one window of everything read: every pair of micro-batches measures the mean
+    gradient). The micro-batches are read in groups; the groups' summed gradients (one flat copy each) and their inner
+    products are kept, so the bootstrap resamples groups with the pairs inside a group counted once, and a group never
+    pairs with itself"""
     def __init__(self, learn, model, ga, bna, dl, quiet:bool):
         self.learn,self.model,self.ga,self.bna,self.dl,self.quiet = learn,model,ga,bna,dl,quiet
         self.r,self.groups,self.n_micro,self.b = None,[],0,[]
@@ -207,10 +223,12 @@ class _Pooled:
         b = 1/float(np.mean([1/n for n in self.b]))
         per = [dict(zip(('items', 'sq_items', 'sq_norms'), x)) for x in self.groups]
         if not (math.isfinite(g2) and math.isfinite(tr)):
-            return NoiseScaleReport(b_simple=math.nan, interval=(math.nan, math.nan), g2=math.nan, trace=math.nan, b=b, B=N,
+            return NoiseScaleReport(b_simple=math.nan, interval=(math.nan, math.nan), g2=math.nan, trace=math.nan, b=b,
+                                    B=N,
                                     n_windows=g, target_bs=None, n_step=None, per_window=per, items_read=int(round(N)),
                                     reason="a loss or gradient was not finite")
-        rep = _suggest(ratio_of(g2, tr), self.interval(seed), g2, tr, b, N, g, bs, per, 0, f"{g} groups of {N/g:.3g} items")
+        rep = _suggest(ratio_of(g2, tr), self.interval(seed), g2, tr, b, N, g, bs, per, 0,
+                       f"{g} groups of {N/g:.3g} items")
         rep.items_read,rep.what = int(round(N)),'groups, pooled'
         return rep
 
@@ -230,7 +248,8 @@ def _interval(g2, tr, seed:int, n_boot:int=1000)->tuple:
     return _central95([_ratio(g2[i], tr[i]) for i in (rng.integers(0, n, n) for _ in range(n_boot))])
 
 def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
-    "The estimate over the finite windows of `per`, its bootstrap interval, and a suggestion only where one can be defended"
+    """The estimate over the finite windows of `per`, its bootstrap interval, and a suggestion only where one can be
+    defended"""
     ok = [p for p in per if math.isfinite(p['g2']) and math.isfinite(p['trace'])]   # (training skips such windows too)
     n_skipped = len(per) - len(ok)
     b = float(np.mean([p['b'] for p in per])) if per else math.nan
@@ -238,7 +257,8 @@ def _report(per:list, n_windows:int, seed:int, bs)->NoiseScaleReport:
     if len(ok) < 2:
         return NoiseScaleReport(b_simple=math.nan, interval=(math.nan, math.nan), g2=math.nan, trace=math.nan, b=b, B=B,
                                 n_windows=len(ok), target_bs=None, n_step=None, per_window=per, n_skipped=n_skipped,
-                                reason=f"{n_skipped} of {len(per)} windows gave a non-finite loss or gradient, fewer than 2 are left")
+                                reason=f"{n_skipped} of {len(per)} windows gave a non-finite loss or gradient, fewer "
+                                       "than 2 are left")
     g2 = np.array([p['g2'] for p in ok]); tr = np.array([p['trace'] for p in ok])
     return _suggest(_ratio(g2, tr), _interval(g2, tr, seed), float(g2.mean()), float(tr.mean()), b, B, len(ok), bs, per,
                     n_skipped, f"{len(ok)} windows of {B:.3g} items")
@@ -257,9 +277,9 @@ def _suggest(est, interval, g2, tr, b, B, n, bs, per, n_skipped, what:str)->Nois
                             reason=reason, n_skipped=n_skipped)
 
 def _window_norms(r:Replay, idxs:list, quiet:bool=False)->dict:
-    """One window of the replayed copy, micro-batch by micro-batch as training runs it and by the window's rule (`quiet`:
-    BatchNorm on its running statistics, dropout off): the mean of the micro-batches' squared mean-gradient norms, the
-    squared norm of the window's mean gradient, and the estimates from them"""
+    """One window of the replayed copy, micro-batch by micro-batch as training runs it and by the window's rule
+    (`quiet`: BatchNorm on its running statistics, dropout off): the mean of the micro-batches' squared mean-gradient
+    norms, the squared norm of the window's mean gradient, and the estimates from them"""
     m = r.fresh(); r.modes(m, not quiet, not quiet)
     ps = [p for p in m.parameters() if p.requires_grad]
     acc,small,inv_b,w = None,[],[],Window()
@@ -272,7 +292,8 @@ def _window_norms(r:Replay, idxs:list, quiet:bool=False)->dict:
         w.add(n, find_bs(yb if len(yb) else xb), loss.detach())
         g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
         small.append(float(sq_norm(g))*w.mean_factor(n)**2); inv_b.append(1/n)   # the micro-batch's mean gradient
-        acc = [t.double() for t in g] if acc is None else [a.add_(t.double()) for a,t in zip(acc, g)]   # the window's, weighted
+        # the window's, weighted
+        acc = [t.double() for t in g] if acc is None else [a.add_(t.double()) for a,t in zip(acc, g)]
     items = w.items
     g_big2 = float(sq_norm([a*w.mean_factor(items) for a in acc]))
     b = 1/float(np.mean(inv_b))

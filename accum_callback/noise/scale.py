@@ -31,8 +31,8 @@ LR_RULES = (None, 'linear', 'sqrt', 'auto')
 __all__ = ['GradientNoiseScale', 'NoiseScaleSchedule', 'noise_estimates']
 
 def noise_estimates(g_small2, g_big2, b, B)->tuple:
-    """McCandlish's unbiased estimates `(|G|^2, tr(S))` from the squared norms of two mean gradients over `b` and `B > b`
-    items (numbers or tensors; `b` may be a mean of 1/b over several small gradients, given as `1/b`'s inverse)"""
+    """McCandlish's unbiased estimates `(|G|^2, tr(S))` from the squared norms of two mean gradients over `b` and `B >
+    b` items (numbers or tensors; `b` may be a mean of 1/b over several small gradients, given as `1/b`'s inverse)"""
     return (B*g_big2 - b*g_small2)/(B - b),(g_small2 - g_big2)/(1/b - 1/B)
 
 def ratio_of(g2:float, tr:float)->float:
@@ -55,11 +55,13 @@ class GradientNoiseScale(Callback):
     grad scaler; under DDP the micro-batch norm averaged over ranks, or with `global_window` rank 0's, which is one
     process's first micro-batch, so that the estimates are the same on any number of processes; the window's global).
     Logged per step (`g_small2`, `g_big2`, `b`, `B`, `g2`, `trace`, their moving averages, `b_simple`), as a column of
-    the Recorder (`noise_scale`, at each epoch's end) and by `plot_noise_scale()`. `schedule()` grows the window with it.
+    the Recorder (`noise_scale`, at each epoch's end) and by `plot_noise_scale()`. `schedule()` grows the window with
+    it.
 
     A window of one micro-batch has nothing to compare and is not counted. BatchNorm in training couples the samples of
     a micro-batch and dropout adds noise of its own: both bias the estimate (docs/noise_scale.md)."""
-    order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True   # the window's gradient is final (scaled by ours), not yet unscaled
+    # the window's gradient is final (scaled by ours), not yet unscaled
+    order,run_valid,_only_train_loop = GradientAccumulation.order+1,False,True
 
     def __init__(self,
         beta:float=0.98, # moving-average weight of the last estimate is 1-beta (bias-corrected, as Adam's): ~50 windows
@@ -119,26 +121,29 @@ class GradientNoiseScale(Callback):
         add_fit_guard(self.learn, 'gradient_noise_scale', lambda e: self._unhook())   # a fit ended by an exception
 
     def refuse_fit(self):
-        "What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to measure, gradients no rank holds whole"
+        """What this fit is refused for (`protocols.refuse_at_fit_start`): no windows to measure, gradients no rank
+        holds whole"""
         ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
         if ga is None:
-            raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which is not "
-                             "in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window at least)")
+            raise ValueError("GradientNoiseScale measures the windows of `accum_callback.GradientAccumulation`, which "
+                             "is not in this fit: add `GradientAccumulation(n_step=...)` (two micro-batches a window "
+                             "at least)")
         mb = micro_batching(self.learn)
         bs = getattr(self.dls.train, 'bs', None)
         if mb is None and ga.one_micro_windows:
             raise ValueError("GradientNoiseScale compares a window's first micro-batch with the whole window, and "
-                             "`GradientAccumulation(n_step=1)` makes windows of one micro-batch: nothing would be measured. "
-                             "Give `n_step` >= 2 (or a `MicroBatching`, whose pieces make a window)")
+                             "`GradientAccumulation(n_step=1)` makes windows of one micro-batch: nothing would be "
+                             "measured. Give `n_step` >= 2 (or a `MicroBatching`, whose pieces make a window)")
         for sc in self.schedules:
             if sc.source is self and mb is None and bs and sc.lo is not None and sc.lo*sc.items_per_unit() <= bs:
-                raise ValueError(f"GradientNoiseScale.schedule(lo={sc.lo}): a window of at most the loader's batch ({bs} items) "
-                                 "is one micro-batch, which is never measured, so the window would never grow: give `lo` "
-                                 f"above {bs} items (e.g. lo={2*bs}), or leave it out (two micro-batches)")
+                raise ValueError(f"GradientNoiseScale.schedule(lo={sc.lo}): a window of at most the loader's batch "
+                                 f"({bs} items) is one micro-batch, which is never measured, so the window would never "
+                                 f"grow: give `lo` above {bs} items (e.g. lo={2*bs}), or leave it out (two "
+                                 "micro-batches)")
         if ga.sync.options_for(self.learn).sharded_grads and is_fsdp(self.model):
             raise ValueError("GradientNoiseScale under FSDP2 with `sharded_grads=True`: the first "
-                             "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure with "
-                             "the default `sharded_grads=False`")
+                             "micro-batch's gradient is reduce-scattered at once, so no rank holds it alone; measure "
+                             "with the default `sharded_grads=False`")
 
     def after_fit(self):
         if in_inference(self.learn) or self.ga is None: return
@@ -155,13 +160,15 @@ class GradientNoiseScale(Callback):
     def _closed(self, stepped:bool): self._first = None
 
     def after_backward(self):
-        "The window's first counted micro-batch: the squared norm of its mean gradient (local: nothing synchronised yet)"
+        """The window's first counted micro-batch: the squared norm of its mean gradient (local: nothing synchronised
+        yet)"""
         w = self.ga.window
         if not w.is_first or w.closes: return   # (a window of one: nothing to compare)
         grads = ([held_unsharded_grad(fp) for fp in fsdp_params(self.model)] if is_fsdp(self.model)
                  else [p.grad for p in self.model.parameters()])
         n = torch.as_tensor(w.n, dtype=torch.float64)
-        k = torch.as_tensor(w.mean_factor(n), dtype=torch.float64).to(model_device(self.model))   # its mean gradient, by the window's rule
+        # its mean gradient, by the window's rule
+        k = torch.as_tensor(w.mean_factor(n), dtype=torch.float64).to(model_device(self.model))
         self._first = (sq_norm(grads)*k.square(), n)
 
     def before_step(self):
@@ -171,14 +178,18 @@ class GradientNoiseScale(Callback):
         g_small2,b = first
         dev = g_small2.device
         g_big2 = sq_norm([p.grad for p in self.model.parameters()])
-        if is_fsdp(self.model): g_big2 = self._sum_over_ranks(g_big2)   # each rank holds its shard of the global gradient
-        items = float(w.record.items)   # the window's items over every rank (GradientAccumulation's one synchronisation)
-        # the step's gradient (`step_scale` applied) as the window's mean: a mean loss's already is, a summed loss's is the sum
+        # each rank holds its shard of the global gradient
+        if is_fsdp(self.model): g_big2 = self._sum_over_ranks(g_big2)
+        # the window's items over every rank (GradientAccumulation's one synchronisation)
+        items = float(w.record.items)
+        # the step's gradient (`step_scale` applied) as the window's mean: a mean loss's already is, a summed loss's
+        # is the sum
         g_big2 = g_big2*(w.mean_factor(items)/w.step_scale(items, 1))**2
         if is_distributed(self.model):
             mine = torch.stack([g_small2, 1/b.to(dev)])
             if self.ga.window_over_ranks:   # rank 0's first micro-batch is one process's (each window's first samples):
-                g_small2,inv_b = self._sum_over_ranks(mine if dist.get_rank() == 0 else torch.zeros_like(mine)).unbind()   # the same estimates on any number (another rank's first may be padding: 1/b infinite)
+                # the same estimates on any number (another rank's first may be padding: 1/b infinite)
+                g_small2,inv_b = self._sum_over_ranks(mine if dist.get_rank() == 0 else torch.zeros_like(mine)).unbind()
             else:   # each rank's own micro-batch: average the ranks' squared norms and 1/b
                 g_small2,inv_b = (self._sum_over_ranks(mine)/dist.get_world_size()).unbind()
             b = 1/inv_b
@@ -193,7 +204,8 @@ class GradientNoiseScale(Callback):
         if self._ema is None: self._ema_raw = torch.zeros(2, dtype=torch.float64, device=dev)
         self._ema_raw = torch.where(ok, self.beta*self._ema_raw + (1-self.beta)*est, self._ema_raw)
         self._ema = self._ema_raw/(1 - self.beta**self._n) if self.beta else self._ema_raw
-        for k,v in zip(self.log, (g_small2, g_big2, b, B, g2, tr, self._ema[0], self._ema[1], self.ga.steps)): self.log[k].append(v)
+        for k,v in zip(self.log, (g_small2, g_big2, b, B, g2, tr, self._ema[0], self._ema[1], self.ga.steps)):
+            self.log[k].append(v)
         # a schedule reads B_simple at the next window's start: read it back here, in the step's micro-batch (which
         # synchronised for the window's counts already), not in a micro-batch that does not step
         if self.schedules: self._host = (self._n, ratio_of(*self._ema.tolist()))
@@ -218,7 +230,8 @@ class GradientNoiseScale(Callback):
         steps = self.values('step')
         ax.plot([s+1 for s in steps], self.b_simple_history, label='noise scale $B_{simple}$')
         if self.ga is not None and self.ga.window_sizes:
-            ax.plot(range(1, len(self.ga.window_sizes)+1), self.ga.window_sizes, label='effective batch (items per step)')
+            ax.plot(range(1, len(self.ga.window_sizes)+1), self.ga.window_sizes,
+                    label='effective batch (items per step)')
         ax.set_yscale('log'); ax.set_xlabel('optimizer step'); ax.set_ylabel('items'); ax.legend()
         if new: ax.figure.tight_layout()
         return ax
@@ -228,23 +241,27 @@ class NoiseScaleSchedule(WindowSchedule):
     `n_step=...` (`unit='micro_batches'`, the items divided by the loader's batch size, rounded up): `fraction` times
     B_simple, never smaller than the largest it has given (it only grows), within `[lo, hi]`; `lo` until the first
     measurement and until `warmup` windows are measured (a noisy first estimate would otherwise ratchet the window up);
-    `hi` left out is `growth` times `lo` (None: no cap); `lr` scales each step's learning rate with its window (`lr_gain`).
-    `GradientAccumulation` asks at each window's start, so every step stays the exact mean of its window, and the value
-    depends on the measurements alone (under DDP the same on every rank)."""
+    `hi` left out is `growth` times `lo` (None: no cap); `lr` scales each step's learning rate with its window
+    (`lr_gain`). `GradientAccumulation` asks at each window's start, so every step stays the exact mean of its window,
+    and the value depends on the measurements alone (under DDP the same on every rank)."""
     def __init__(self, source, fraction:float=1., lo:int|None=None, hi:int|None=None, unit:str='items', warmup:int=0,
                  lr:str|None=None, growth:int|None=None):
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (fraction > 0 and math.isfinite(fraction)):
+        if isinstance(fraction,
+                      bool) or not isinstance(fraction, (int, float)) or not (fraction > 0 and math.isfinite(fraction)):
             raise ValueError(f"`fraction` must be a finite number > 0, got {fraction!r}")
         if lo is not None: lo = whole_number(lo, 'lo')
-        if hi is not None and lo is not None and whole_number(hi, 'hi') < lo: raise ValueError(f"`hi` ({hi}) must be >= `lo` ({lo})")
+        if hi is not None and lo is not None and whole_number(hi, 'hi') < lo:
+            raise ValueError(f"`hi` ({hi}) must be >= `lo` ({lo})")
         if hi is not None: whole_number(hi, 'hi')
-        if unit not in ('items', 'micro_batches'): raise ValueError(f"`unit` must be 'items' or 'micro_batches', got {unit!r}")
+        if unit not in ('items', 'micro_batches'):
+            raise ValueError(f"`unit` must be 'items' or 'micro_batches', got {unit!r}")
         self.warmup = whole_number(warmup, 'warmup', lo=0)
         if lr not in LR_RULES: raise ValueError(f"`lr` must be one of {', '.join(map(repr, LR_RULES))}, got {lr!r}")
         self.lr,self.growth = lr,(None if growth is None else whole_number(growth, 'growth'))
         self.source,self.fraction,self.lo,self.hi,self.unit,self.value = source,float(fraction),lo,hi,unit,lo
         self.history = []   # (optimizer step, value) each time it changed
-        self.kind,self.name = 'fn',('target_bs' if unit == 'items' else 'n_step')   # (a `WindowSchedule` known only as training goes)
+        # (a `WindowSchedule` known only as training goes)
+        self.kind,self.name = 'fn',('target_bs' if unit == 'items' else 'n_step')
 
     def resolve_lo(self, learn=None)->int:
         "`lo` in this schedule's unit; left out: two of the training loader's batches (the smallest window measured)"
@@ -268,7 +285,8 @@ class NoiseScaleSchedule(WindowSchedule):
         lo,hi = self.resolve_lo(),self.resolve_hi()
         if hi is not None: lo = min(lo, hi)
         if self.value is None or self.value < lo:
-            if getattr(self.source, 'learn', None) is None: return lo   # (checked before any Learner: `lo` not known yet)
+            # (checked before any Learner: `lo` not known yet)
+            if getattr(self.source, 'learn', None) is None: return lo
             self.value = lo
         b = self.source.b_simple
         if math.isfinite(b) and getattr(self.source, 'n_measured', math.inf) >= self.warmup:
@@ -280,9 +298,10 @@ class NoiseScaleSchedule(WindowSchedule):
         return self.value
 
     def lr_gain(self, size:int, opt=None)->float:
-        """How much a window of `size` (this schedule's unit: its items, or its micro-batches) multiplies the step's learning rate: 1 with `lr=None`, else
-        `size/lo` ('linear') or its square root ('sqrt'; 'auto' picks the square root for an optimizer with a second
-        moment, `sqr_mom`, as Adam's, linear otherwise). `GradientAccumulation` applies it to the window's step"""
+        """How much a window of `size` (this schedule's unit: its items, or its micro-batches) multiplies the step's
+        learning rate: 1 with `lr=None`, else `size/lo` ('linear') or its square root ('sqrt'; 'auto' picks the square
+        root for an optimizer with a second moment, `sqr_mom`, as Adam's, linear otherwise). `GradientAccumulation`
+        applies it to the window's step"""
         if self.lr is None or not size: return 1.
         k = size/max(self.resolve_lo(), 1)   # (`lo` of `unit`, as `size` is)
         rule = self.lr

@@ -16,8 +16,10 @@ MOVED = {'minutes': lambda v: f"`minutes={v!r}` is `every='{v}min'` since 0.3 (w
                               f"every=('1ep', '{v}min'))",
          'batches': lambda v: f"`batches={v!r}` is `every='{v}ba'` since 0.3 (with the epoch ends it also saved: "
                               f"every=('1ep', '{v}ba'))",
-         'epoch_end': lambda v: (f"`epoch_end={v!r}` is `every='1ep'` since 0.3 (with others: every=('1ep', '30min'))" if v else
-                                 f"`epoch_end={v!r}` is an `every` without '1ep' since 0.3 (e.g. every='30min'; None: only on the signals)")}
+         'epoch_end': lambda v: (f"`epoch_end={v!r}` is `every='1ep'` since 0.3 (with others: every=('1ep', '30min'))"
+                                 if v else
+                                 f"`epoch_end={v!r}` is an `every` without '1ep' since 0.3 (e.g. every='30min'; None: "
+                                 "only on the signals)")}
 
 _ONE = re.compile(r'\s*(\d+(?:\.\d*)?|\.\d+)?(?:e([-+]?\d+))?\s*(ep|ba|min|step|st)\s*', re.IGNORECASE)
 _FIELD = {'ep': 'epochs', 'ba': 'batches', 'min': 'minutes', 'st': 'steps', 'step': 'steps'}
@@ -30,7 +32,8 @@ def _one(v, every)->tuple[str,float]:
     if isinstance(v, Integral): return ('steps', int(v)) if v >= 1 else _refuse(every, ' (a count is >= 1)')
     if not isinstance(v, str) or (m := _ONE.fullmatch(v)) is None: _refuse(every)
     num,exp,unit = m.groups()
-    if num is None and (exp is not None or unit.lower() != 'step'): _refuse(every, " (a number before the unit: only 'step' stands alone)")
+    if num is None and (exp is not None or unit.lower() != 'step'):
+        _refuse(every, " (a number before the unit: only 'step' stands alone)")
     n,field = float((num or '1') + (f'e{exp}' if exp else '')),_FIELD[unit.lower()]
     if not (math.isfinite(n) and n > 0): _refuse(every, ' (a finite number > 0)')
     if field != 'minutes':
@@ -50,14 +53,22 @@ class Cadence:
             setattr(self, field, n)
         self.start()
 
-    def start(self, steps:int=0): "A fit starts (or resumes at `steps`): the clock and the steps count from here"; self.t0,self.last_steps = time.monotonic(),steps
+    def start(self, steps:int=0):
+        "A fit starts (or resumes at `steps`): the clock and the steps count from here"
+        self.t0,self.last_steps = time.monotonic(),steps
     def saved(self, steps:int): "A checkpoint was taken after `steps` optimizer steps"; self.start(steps)
 
     def counted(self, steps:int, k:int)->bool:
         "Due by the counts: `steps` optimizer steps since the last checkpoint, or the epoch's `k`th loader batch"
         return (self.steps is not None and steps - self.last_steps >= self.steps) or self.batch_due(k)
-    def batch_due(self, k:int)->bool: "The `k`th loader batch of the epoch ends a count of `batches` (saved mid-window)"; return self.batches is not None and k % self.batches == 0
-    def timed(self)->bool: "The minutes have passed since the last checkpoint (or the fit's start)"; return self.minutes is not None and time.monotonic() - self.t0 >= 60*self.minutes
-    def epoch_due(self, epoch:int)->bool: "The end of epoch `epoch` (from 0) ends a count of `epochs`"; return self.epochs is not None and (epoch + 1) % self.epochs == 0
+    def batch_due(self, k:int)->bool:
+        "The `k`th loader batch of the epoch ends a count of `batches` (saved mid-window)"
+        return self.batches is not None and k % self.batches == 0
+    def timed(self)->bool:
+        "The minutes have passed since the last checkpoint (or the fit's start)"
+        return self.minutes is not None and time.monotonic() - self.t0 >= 60*self.minutes
+    def epoch_due(self, epoch:int)->bool:
+        "The end of epoch `epoch` (from 0) ends a count of `epochs`"
+        return self.epochs is not None and (epoch + 1) % self.epochs == 0
 
     def __repr__(self): return f"Cadence({self.every!r})"

@@ -1,5 +1,5 @@
-"""Stop anywhere, resume to the same weights: `Checkpoint`, a callback that saves everything the rest of a fit depends on
-between two micro-batches (a window in progress included) and, when the same fit is run again, resumes it from the
+"""Stop anywhere, resume to the same weights: `Checkpoint`, a callback that saves everything the rest of a fit depends
+on between two micro-batches (a window in progress included) and, when the same fit is run again, resumes it from the
 newest good checkpoint, bitwise where the run is deterministic (docs/resume.md).
 
 What is saved: the model (parameters and buffers) and the gradients a window has accumulated so far, the optimizer
@@ -22,7 +22,8 @@ from fastai.callback.schedule import LRFinder
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
 from ..core.protocols import CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard, window_owner
 from ..core.loaders import ReadAhead, can_skip, feed_of, inner_loader, is_last_batch, piece_of
-from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, write_checkpoint)                                                               # _MAGIC, read_...)
+# _MAGIC, read_...)
+from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, write_checkpoint)
 from .fit_place import FitPlace
 from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
 from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank
@@ -34,7 +35,8 @@ _write,_MAGIC = write_checkpoint,MAGIC   # (the name bench/checkpoint_cost.py ti
 
 __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint']
 
-# a run of the same data and arguments (another seed) resumes a checkpoint in its folder as a re-run would: said with the fix
+# a run of the same data and arguments (another seed) resumes a checkpoint in its folder as a re-run would: said with
+# the fix
 _OWN_RUN = ("a run of its own (another seed, a sweep) needs a folder of its own: Checkpoint(f'checkpoints/seed{seed}'); "
             "Checkpoint(resume=False) trains it again here")
 
@@ -46,15 +48,19 @@ class Checkpoint(Callback):
     `learn.path`). Run the same fit again and it resumes from the newest good checkpoint (`resume`), a finished fit's
     epochs are not run again; a checkpoint of another fit (window size, loader, world size, model) is refused naming
     what changed (`strict=False` accepts all but a model of other shapes)."""
-    order,run_valid,_only_train_loop = 95,True,True   # after the Recorder (50) and the progress bar (60): their batch is done when we save; not in summary()'s pass
+    # after the Recorder (50) and the progress bar (60): their batch is done when we save; not in summary()'s pass
+    order,run_valid,_only_train_loop = 95,True,True
 
     def __init__(self,
         path='checkpoints', # folder of the checkpoints (under `learn.path` if relative); one per fit run
-        every:int|str|tuple|None='1ep', # when: '<n>ep' (epochs' ends), '<n>ba' (loader batches), '<n>min', '<n>st' or an int (optimizer steps), a tuple of these; None: only on the signals
+        # when: '<n>ep' (epochs' ends), '<n>ba' (loader batches), '<n>min', '<n>st' or an int (optimizer steps), a
+        # tuple of these; None: only on the signals
+        every:int|str|tuple|None='1ep',
         keep:int=2, # checkpoints kept (the newest); at least 1
         resume:bool=True, # resume from the newest good checkpoint in `path` when there is one
         strict:bool=True, # refuse a checkpoint of another fit (False: accept what can be loaded, said in a warning)
-        signals:bool|tuple=True, # SIGTERM/SIGINT: checkpoint at the next micro-batch's end, then stop (or a tuple of names, e.g. ('SIGTERM',))
+        # SIGTERM/SIGINT: checkpoint at the next micro-batch's end, then stop (or a tuple of names, e.g. ('SIGTERM',))
+        signals:bool|tuple=True,
         **moved, # (the keywords before 0.3: refused, naming their spelling in `every`)
     ):
         for k,v in moved.items():
@@ -76,15 +82,18 @@ class Checkpoint(Callback):
     def folder(self)->Path:
         p = Path(self.path)
         return p if p.is_absolute() else Path(self.learn.path)/p
-    def file(self, serial:int, rank:int)->Path: "The file of checkpoint `serial` that `rank` wrote"; return self.folder/f'ckpt-{serial:06d}.rank{rank}.pt'
+    def file(self, serial:int, rank:int)->Path:
+        "The file of checkpoint `serial` that `rank` wrote"; return self.folder/f'ckpt-{serial:06d}.rank{rank}.pt'
     def _serials(self)->list: return serials(self.folder, 'ckpt-', '.pt')   # (the checkpoints there, any rank's)
 
     # -- fit ------------------------------------------------------------------------------------------------------
     def refuse_fit(self):
-        "The folder is checked when the fit starts (`protocols.refuse_at_fit_start`): a folder, and one this process can write in"
+        """The folder is checked when the fit starts (`protocols.refuse_at_fit_start`): a folder, and one this process
+        can write in"""
         if in_inference(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs): return
         writable_folder(self.folder, 'Checkpoint: `path`', 'the checkpoints')
-        remove_stale_parts(self.folder, 'ckpt-')   # what a killed write left (our names only, of processes no longer running)
+        # what a killed write left (our names only, of processes no longer running)
+        remove_stale_parts(self.folder, 'ckpt-')
         # every callback's state as a checkpoint can hold it (refused now, naming it, not at the first save)
         plain_state({k: get() for k,_,get,_ in callback_states(self.learn, self)}, "state['callbacks']")
 
@@ -112,12 +121,14 @@ class Checkpoint(Callback):
         if getattr(self, '_off', True): return
         if self._exit is None and not self.place.skipped_all(self.learn.n_epoch): self._save('done')
         self._finish_fit()
-        if self._exit is not None:   # stopped by a signal, after the checkpoint: the process is asked to stop, not the fit
+        # stopped by a signal, after the checkpoint: the process is asked to stop, not the fit
+        if self._exit is not None:
             sig,self._exit = self._exit,None
             if sig == signal.SIGINT: raise KeyboardInterrupt('Checkpoint: saved, then stopped (SIGINT)')
             raise SystemExit(128 + sig)
 
-    def _finish_fit(self, together:bool=True):   # (`together`: every rank is here; an exception may have stopped one only)
+    # (`together`: every rank is here; an exception may have stopped one only)
+    def _finish_fit(self, together:bool=True):
         try: self._flush(together)   # (the checkpoint in flight written, whatever ended the fit)
         finally:
             self._writer.close()
@@ -153,7 +164,8 @@ class Checkpoint(Callback):
 
     def after_epoch(self):
         if self._off: return
-        if self.place.skipped(self.epoch): return self.place.after_skipped_epoch(self.learn)   # (the Recorder appended its row)
+        # (the Recorder appended its row)
+        if self.place.skipped(self.epoch): return self.place.after_skipped_epoch(self.learn)
         if self.cadence.epoch_due(self.epoch) or self._due(end=True): self._save('end'); self._after_save()
 
     def _due(self, end:bool=False)->bool:
@@ -180,7 +192,8 @@ class Checkpoint(Callback):
 
     def _ga(self): return window_owner(self.learn)   # (the window's owner, by its declared interface)
 
-    def _steps(self)->int:   # optimizer steps of this fit: the window's count, or without accumulation those no callback cancelled
+    # optimizer steps of this fit: the window's count, or without accumulation those no callback cancelled
+    def _steps(self)->int:
         return ga.steps if (ga := self._ga()) is not None else self._opt_steps
     def after_cancel_step(self): self._step_cancelled = True
     def after_step(self):   # (a step no callback cancelled counts)
@@ -193,8 +206,10 @@ class Checkpoint(Callback):
         if getattr(self, '_sig', None) is None: self._sig = json_normal(fit_signature(self.learn, self.n_fit, getattr(self, '_fit_args', {}), loader_signature(self.learn, self._ga())))
         return self._sig
 
-    def _snapshot(self, where:str, whole:bool)->dict:   # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
-        "The fit's state, piece by piece: the place in the fit, what training has made (`whole`: the model too), what a resume must match"
+    # (not `_state`: fastcore's `Stateful` unpickles a Learner's callbacks with `_state = {}`)
+    def _snapshot(self, where:str, whole:bool)->dict:
+        """The fit's state, piece by piece: the place in the fit, what training has made (`whole`: the model too), what
+        a resume must match"""
         return dict(self.place.state(self.learn, where), **training_state(self.learn, self, whole), signature=AsJson(self.signature()), opt_steps=self._opt_steps)
 
     def _save(self, where:str):
@@ -203,11 +218,13 @@ class Checkpoint(Callback):
         at the fit's end, or before a stop"""
         self._flush()
         self.serial += 1
-        f,whole = self.file(self.serial, process_rank()),not writes_sharded(self.learn.model, is_elastic(self._ga()))   # (else a DCP folder)
+        # (else a DCP folder)
+        f,whole = self.file(self.serial, process_rank()),not writes_sharded(self.learn.model, is_elastic(self._ga()))
         try: st,err = Plain(packed_state(sharded_state(self, self._snapshot(where, whole), self._ga())), new_file_perms()),None
         except OSError as e: st,err = None,e
         now = where == 'done' or not whole or self._stopping()   # (written before training goes on: no thread for it)
-        # (one process: its file written is the checkpoint, so the old ones are removed in the same job, off the main thread)
+        # (one process: its file written is the checkpoint, so the old ones are removed in the same job, off the main
+        # thread)
         if st is not None: self._writer.start(lambda: (_write(f, st), self._remove_old() if process_count() == 1 else None), now)
         self._inflight = (f, self.serial, self.folder/f'fit-{self.n_fit:06d}.rank{process_rank()}.pt' if where == 'done' and whole else None, err)
         if now: self._flush()
@@ -231,7 +248,8 @@ class Checkpoint(Callback):
         if keep is not None and (x := keep_copy(f, keep)) is not None:   # this fit's end, kept for a re-run
             warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({x}): a re-run of it will not be restored", stacklevel=3)
         self.saved.append(serial)
-        for s,x in (out[1] if process_count() == 1 else self._remove_old()):   # (one process: removed in the write's job; one that cannot be removed is said, training goes on)
+        # (one process: removed in the write's job; one that cannot be removed is said, training goes on)
+        for s,x in (out[1] if process_count() == 1 else self._remove_old()):
             warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(x).__name__}: {x}); training goes on", stacklevel=3)
 
     def _remove_old(self)->list: return remove_old(self._serials(), self.keep, lambda s: (self.file(s, process_rank()).unlink(missing_ok=True), remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')))
@@ -246,7 +264,8 @@ class Checkpoint(Callback):
             f = s if records else self.file(s, source_rank(self._ga()))
             try:
                 st = read_whole(f, self.folder)
-                if isinstance(st.get('signature'), dict): st['signature'] = json_normal(st['signature'])   # (0.2's files: tuples)
+                # (0.2's files: tuples)
+                if isinstance(st.get('signature'), dict): st['signature'] = json_normal(st['signature'])
                 check_fit_state(st, self.learn, self, f, now)
                 mine = st   # (a `global_window` run on as many processes: each rank resumes its own file, checked too)
                 if elastic and process_rank() and st['world'] == process_count():
@@ -264,14 +283,17 @@ class Checkpoint(Callback):
         if found is None: return
         serial,st,mine = found
         self.resumed_from = self.file(serial, source_rank(self._ga()))
-        if is_elastic(self._ga()): st,self.resumed_from = elastic_state(self, serial, st, self._ga(), mine)   # (rank 0's file, maybe of another number of processes)
+        # (rank 0's file, maybe of another number of processes)
+        if is_elastic(self._ga()): st,self.resumed_from = elastic_state(self, serial, st, self._ga(), mine)
         sig,now = st['signature'],self.signature()
-        if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):   # this fit finished before the cut
+        # this fit finished before the cut
+        if sig['fit'] > now['fit'] or (sig['fit'] == now['fit'] and st['where'] == 'done'):
             if sig['fit'] > now['fit']:   # a later fit's: this one's end as kept (`fit-<n>`), checked whole
                 found = self._newest([self.folder/f'fit-{now["fit"]:06d}.rank{r}.pt' for r in (process_rank(), 0)])
                 sig,st,self.resumed_from = (found[1]['signature'],found[1],found[0]) if found else (now,None,None)
             if st is not None:
-                refuse_changes(sig, now, self.resumed_from, self.strict)   # (a finished fit rerun with other arguments: refused, not returned)
+                # (a finished fit rerun with other arguments: refused, not returned)
+                refuse_changes(sig, now, self.resumed_from, self.strict)
                 self._load(st)
             self._skip_epochs(self.learn.n_epoch)
             warnings.warn(f"Checkpoint: this fit finished before ({self.resumed_from}): nothing is trained, the model is as it ended; "
@@ -282,10 +304,12 @@ class Checkpoint(Callback):
         if sig['fit'] < now['fit']: return   # (an earlier fit's: this one starts afresh)
         refuse_changes(sig, now, self.resumed_from, self.strict)
         self._load(st)
-        self._skip_epochs(st['epoch'] + (st['where'] == 'end'))   # (a mid-epoch place goes on where its epoch's training starts)
+        # (a mid-epoch place goes on where its epoch's training starts)
+        self._skip_epochs(st['epoch'] + (st['where'] == 'end'))
 
     def _load(self, st:dict):
-        "Put the state back, piece by piece (checked whole before: `_newest`); a mid-epoch place goes on in `before_train`"
+        """Put the state back, piece by piece (checked whole before: `_newest`); a mid-epoch place goes on in
+        `before_train`"""
         if st.get('sharded'): st = load_sharded(self.folder, st, self.learn.model, self.learn.opt)
         apply_training_state(self.learn, st, self)
         self._opt_steps = st.get('opt_steps', 0); self.cadence.start(self._opt_steps)

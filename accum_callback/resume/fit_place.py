@@ -1,9 +1,10 @@
 """The place in a fit, a piece of its state (`Checkpoint` is the manager that says when, where and which file): the
 epoch and the loader batches done in it, the global RNGs and the training loader's (its order of the epoch, drawn at the
 epoch's start), the batch read ahead, the state a model carries from batch to batch, and, for a resumed fit, the epochs
-it skips. `state(learn, where)` takes it; `load(learn, st)` puts back what a fit start needs, `continue_epoch(learn, st)`
-the rest where the resumed epoch's training starts; `skip_epochs` / `skip_epoch` / `after_epoch` sit done epochs out
-the way fastai's `SkipToEpoch` does, each callback seeing its events and the Recorder logging the rows kept for them."""
+it skips. `state(learn, where)` takes it; `load(learn, st)` puts back what a fit start needs, `continue_epoch(learn,
+st)` the rest where the resumed epoch's training starts; `skip_epochs` / `skip_epoch` / `after_epoch` sit done epochs
+out the way fastai's `SkipToEpoch` does, each callback seeing its events and the Recorder logging the rows kept for
+them."""
 from __future__ import annotations
 
 from fastai.callback.core import CancelEpochException
@@ -13,7 +14,8 @@ from fastcore.foundation import L
 from ..compat.torch import rng_states, set_rng_states
 from ..core.distributed import process_count, unwrap
 from ..core.loaders import feed_of, inner_loader
-from .fit_state import (carried_state, load_carried_state, loader_orders, loader_rngs, restore_recorder, set_loader_orders,
+from .fit_state import (carried_state, load_carried_state, loader_orders, loader_rngs, restore_recorder,
+                        set_loader_orders,
                         set_loader_rngs, settle_loaders)
 
 __all__ = ['FitPlace', 'inner_loader']
@@ -21,8 +23,8 @@ __all__ = ['FitPlace', 'inner_loader']
 
 class FitPlace:
     """Where a fit is: `k` loader batches done in this epoch; the RNG states and the loader's as the epoch started (its
-    order is drawn from them); `iter_offset`, what a resumed epoch's `learn.iter` counts from; `skip_to`, the first epoch
-    a resumed fit runs (those before it are done)"""
+    order is drawn from them); `iter_offset`, what a resumed epoch's `learn.iter` counts from; `skip_to`, the first
+    epoch a resumed fit runs (those before it are done)"""
     def __init__(self):
         self.k,self.iter_offset,self.skip_to,self.pending,self.quiet,self.rows = 0,0,None,None,[],([], [])
         self.start_rngs = self.start_loader_rngs = self.start_orders = None
@@ -35,21 +37,24 @@ class FitPlace:
         if self.pending is not None: self.continue_epoch(learn, self.pending); self.pending = None
 
     def state(self, learn, where:str)->dict:
-        """The place as a checkpoint holds it: 'mid' an epoch (its start's RNGs and order, the batch read ahead, what the
-        model carries), or at an epoch's or the fit's end"""
+        """The place as a checkpoint holds it: 'mid' an epoch (its start's RNGs and order, the batch read ahead, what
+        the model carries), or at an epoch's or the fit's end"""
         mid,model,train = where == 'mid',unwrap(learn.model),inner_loader(learn.dls.train)
         feed = feed_of(learn.dl) if mid else None
         ahead = feed.ahead if feed is not None else None
         return dict(where=where, world=process_count(), epoch=learn.epoch, k=self.k,
                     iter_done=getattr(learn, 'iter', -1) + 1 if mid else 0, rngs=rng_states(),
-                    epoch_rngs=self.start_rngs if mid else None, loader_orders=self.start_orders if mid else loader_orders(train),
-                    loader_rngs=self.start_loader_rngs if mid else loader_rngs(train), carried=carried_state(model) if mid else None,
-                    ahead=to_device(ahead, 'cpu') if ahead is not None else None, ahead_device=find_device(ahead) if ahead is not None else None,
+                    epoch_rngs=self.start_rngs if mid else None,
+                    loader_orders=self.start_orders if mid else loader_orders(train),
+                    loader_rngs=self.start_loader_rngs if mid else loader_rngs(train),
+                    carried=carried_state(model) if mid else None,
+                    ahead=to_device(ahead, 'cpu') if ahead is not None else None,
+                    ahead_device=find_device(ahead) if ahead is not None else None,
                     pct_train=getattr(learn, 'pct_train', 0.), train_iter=getattr(learn, 'train_iter', 0))
 
     def load(self, learn, st:dict):
-        """At the fit's start: the place's numbers, and at an epoch's or a fit's end the RNGs and the loader's as they were
-        (a mid-epoch one goes on in `continue_epoch`, where its epoch's training starts)"""
+        """At the fit's start: the place's numbers, and at an epoch's or a fit's end the RNGs and the loader's as they
+        were (a mid-epoch one goes on in `continue_epoch`, where its epoch's training starts)"""
         settle_loaders(learn.dls)   # (before the RNGs are put back)
         learn.epoch,learn.pct_train,learn.train_iter = st['epoch'],st['pct_train'],st['train_iter']
         if st['where'] != 'mid':
@@ -59,7 +64,8 @@ class FitPlace:
         else: self.pending = st
 
     def continue_epoch(self, learn, st:dict):
-        "The epoch the checkpoint was taken in starts: its order, the batches done skipped unloaded, the RNGs as they were"
+        """The epoch the checkpoint was taken in starts: its order, the batches done skipped unloaded, the RNGs as they
+        were"""
         inner = inner_loader(learn.dl)
         set_loader_rngs(inner, st['loader_rngs'])
         set_loader_orders(inner, st.get('loader_orders'))
@@ -92,7 +98,8 @@ class FitPlace:
         self.rows = list(getattr(rec, 'values', [])),list(getattr(rec, 'iters', []))
         rec.values,rec.iters = [],[]   # (appended again, epoch by epoch, as the skipped epochs end)
 
-    def skipped(self, epoch:int)->bool: "Is `epoch` one a resumed fit has done?"; return self.skip_to is not None and epoch < self.skip_to
+    def skipped(self, epoch:int)->bool:
+        "Is `epoch` one a resumed fit has done?"; return self.skip_to is not None and epoch < self.skip_to
     def skipped_all(self, n_epoch:int)->bool: return self.skip_to is not None and self.skip_to >= n_epoch
 
     def skip_epoch(self, learn):
@@ -103,7 +110,8 @@ class FitPlace:
         raise CancelEpochException()
 
     def after_skipped_epoch(self, learn):
-        "`after_epoch` of a done epoch: the Recorder's count of its iterations as kept; the quiet callbacks run again after the last"
+        """`after_epoch` of a done epoch: the Recorder's count of its iterations as kept; the quiet callbacks run again
+        after the last"""
         rec,(_,iters) = learn.recorder,self.rows
         if learn.epoch < len(iters) and rec.iters: rec.iters[-1] = iters[learn.epoch]
         if learn.epoch == self.skip_to - 1:

@@ -12,7 +12,8 @@ from fastcore.foundation import L
 
 from ..core.files import atomic_write
 
-__all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint', 'write_checkpoint', 'plain_state', 'packed_state', 'from_plain', 'reshard',
+__all__ = ['Plain', 'AsJson', 'json_normal', 'MAGIC', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint',
+           'write_checkpoint', 'plain_state', 'packed_state', 'from_plain', 'reshard',
            'is_rank_shard']
 
 MAGIC = b'ACKPT1\n'   # a checkpoint file's first line
@@ -24,7 +25,8 @@ class CheckpointError(ValueError):
 class UnsafeCheckpoint(CheckpointError):
     "A checkpoint file that would run code when read (a planted or foreign pickle): never loaded"
 
-# -- what a checkpoint may hold: read back with `torch.load(weights_only=True)`, so that a file runs no code ------------
+# -- what a checkpoint may hold: read back with `torch.load(weights_only=True)`, so that a file runs no code
+# ------------
 # Tensors, numbers, strings, bytes and plain containers go as they are; the few other types the state holds are
 # written as tagged plain dicts and made again on reading: numpy arrays (numpy's RNG state) and scalars, fastcore's `L`.
 # The package's own state is plain already (each piece's `state_dict()`: the window's phase as its value).
@@ -33,7 +35,8 @@ _TAG = '__accum_callback__'
 _PLAIN = (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
 def json_normal(o):
-    "`o` as JSON gives it back (tuples as lists, keys as strings, other objects as their `repr`): how an `AsJson` value reads"
+    """`o` as JSON gives it back (tuples as lists, keys as strings, other objects as their `repr`): how an `AsJson`
+    value reads"""
     return json.loads(json.dumps(o, default=repr))
 
 class AsJson:
@@ -56,7 +59,8 @@ def plain_state(o, where:str='state', copy:bool=False, _small:list|None=None):
 # dozens of small ones (biases, norms, their moments and gradients, the RNG states): written one by one they were 60% of
 # the pickling of a small model's checkpoint. Those of at most 16 KiB (on the CPU, contiguous, of a plain numeric dtype)
 # go into one flat tensor per dtype; read back, each is a copy of its part (the pack is small: so is the peak it adds).
-_PACKED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+_PACKED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8,
            torch.uint8, torch.bool)   # (a file's index names them by their place here: the order is the format's)
 _PACKED_NAMES = [str(d).removeprefix('torch.') for d in _PACKED]   # (the keys of a file's flat tensors)
 _PACKED_BY_NAME = dict(zip(_PACKED_NAMES, _PACKED))
@@ -78,7 +82,8 @@ def packed_state(o, where:str='state')->dict:
     return {_TAG: 'pack', 'value': value, 'data': data, 'index': torch.tensor(rows, dtype=torch.int64)}
 
 def _unpack(o:dict)->tuple:
-    "A packed file's state and its small tensors, each copied out of its dtype's flat tensor; `CheckpointError` for a malformed pack"
+    """A packed file's state and its small tensors, each copied out of its dtype's flat tensor; `CheckpointError` for a
+    malformed pack"""
     data,index = _field(o, 'data', dict, 'pack'),_field(o, 'index', torch.Tensor, 'pack')
     for name,flat in data.items():
         if not (isinstance(flat, torch.Tensor) and flat.dtype == _PACKED_BY_NAME.get(name) and flat.ndim == 1):
@@ -89,9 +94,11 @@ def _unpack(o:dict)->tuple:
     for code,off,nd,*dims in index.tolist():
         flat,shape = data.get(_PACKED_NAMES[code]) if 0 <= code < len(_PACKED) else None,dims[:nd]
         if flat is None or not 0 <= nd <= len(dims) or min(shape, default=0) < 0 or off < 0 or (end := off + math.prod(shape)) > len(flat):
-            raise CheckpointError(f"a checkpoint's pack index has a malformed row {[code, off, nd, *dims]} (a shape or place outside its data)")
+            raise CheckpointError(f"a checkpoint's pack index has a malformed row {[code, off, nd, *dims]} (a shape or "
+                                  "place outside its data)")
         out.append(flat[off:end].view(shape).clone())   # (a tensor of its own: torch's RNG takes a view's
-    return _field(o, 'value', dict, 'pack'),out                               # storage from its start; small, so the peak stays)
+    # storage from its start; small, so the peak stays)
+    return _field(o, 'value', dict, 'pack'),out
 
 def _copied(v, copy:bool, small):
     "A tensor as written: into the pack (`small`, a list) where it is small, else itself (copied: `copy`)"
@@ -104,11 +111,16 @@ def _plain(o, copy:bool, small=None):
     t = type(o)
     if o is None or t in _PLAIN: return o
     if t is list or t is tuple:
-        if len(o) >= 64:   # (Python's RNG states, 625 ints; a long fit's logs and learning rates: one tensor, not an object each)
+        # (Python's RNG states, 625 ints; a long fit's logs and learning rates: one tensor, not an object each)
+        if len(o) >= 64:
             if all(type(v) is int for v in o):
-                try: return {_TAG: 'ints', 'type': t.__name__, 'value': _copied(torch.tensor(o, dtype=torch.int64), False, small)}
+                try:
+                    return {_TAG: 'ints', 'type': t.__name__,
+                            'value': _copied(torch.tensor(o, dtype=torch.int64), False, small)}
                 except (OverflowError, RuntimeError): pass   # (beyond int64: as they are)
-            elif all(type(v) is float for v in o): return {_TAG: 'floats', 'type': t.__name__, 'value': _copied(torch.tensor(o, dtype=torch.float64), False, small)}
+            elif all(type(v) is float for v in o):
+                return {_TAG: 'floats', 'type': t.__name__,
+                        'value': _copied(torch.tensor(o, dtype=torch.float64), False, small)}
         out = []
         for i,v in enumerate(o):
             try: out.append(_plain(v, copy, small))
@@ -125,19 +137,24 @@ def _plain(o, copy:bool, small=None):
     name = f'{t.__module__}.{t.__qualname__}'
     if isinstance(o, torch.Tensor):
         if t is torch.Tensor or t is torch.nn.Parameter: return _copied(o.detach(), copy, small)
-        if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):   # a DTensor (FSDP2's optimizer state): this rank's shard,
-            v = o.to_local().detach()                                # made a DTensor again like its parameter (`reshard`)
+        # a DTensor (FSDP2's optimizer state): this rank's shard,
+        if hasattr(o, 'to_local') and hasattr(o, 'device_mesh'):
+            # made a DTensor again like its parameter (`reshard`)
+            v = o.to_local().detach()
             return {_TAG: 'shard', 'value': v.clone() if copy else v}
         # fastai's typed tensors (a batch read ahead: TensorImage, TensorCategory...): the data, and the type by name
         if _fastai_tensor(name) is None:
-            raise _Unplain(f"Checkpoint: {{}} is a {name}, a tensor subclass a checkpoint read without running code cannot "
-                           "hold: give a plain tensor")
+            raise _Unplain(f"Checkpoint: {{}} is a {name}, a tensor subclass a checkpoint read without running code "
+                           "cannot hold: give a plain tensor")
         v = o.detach().as_subclass(torch.Tensor)
         return {_TAG: 'tensor', 'type': name, 'value': _copied(v, copy, small)}
-    if isinstance(o, np.ndarray):   # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
+    # (numbers as one tensor where they fit int64 or float64: numpy's RNG state is 624 of them)
+    if isinstance(o, np.ndarray):
         fits = o.dtype.kind in 'bif' or (o.dtype.kind == 'u' and o.dtype.itemsize < 8)
-        value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f' else np.int64).ravel()) if fits else o.ravel().tolist()
-        return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape), 'value': _copied(value, False, small) if fits else value}
+        value = torch.from_numpy(o.astype(np.float64 if o.dtype.kind == 'f'
+                                          else np.int64).ravel()) if fits else o.ravel().tolist()
+        return {_TAG: 'ndarray', 'dtype': str(o.dtype), 'shape': list(o.shape),
+                'value': _copied(value, False, small) if fits else value}
     if isinstance(o, np.generic): return o.item()
     if isinstance(o, L): return {_TAG: 'L', 'value': [_plain(v, copy, small) for v in o]}
     if isinstance(o, (bool, int, float, str)) and not isinstance(o, enum.Enum):   # a subclass: its plain value
@@ -148,7 +165,9 @@ def _plain(o, copy:bool, small=None):
 class _Shard(torch.Tensor):
     "A DTensor's local shard as read from a checkpoint, until `_reshard` makes it a DTensor like its parameter"
 
-def is_rank_shard(t)->bool: "Is `t` a rank's shard of a DTensor as read from a checkpoint (made a DTensor again by `reshard`)?"; return isinstance(t, _Shard)
+def is_rank_shard(t)->bool:
+    "Is `t` a rank's shard of a DTensor as read from a checkpoint (made a DTensor again by `reshard`)?"
+    return isinstance(t, _Shard)
 
 def reshard(state, param):
     "The optimizer `state` of `param` (a dict, list or tensor) with every `_Shard` a DTensor laid out as `param`"
@@ -170,12 +189,14 @@ def _fastai_tensor(name):
     c = getattr(sys.modules.get(mod), cls, None)   # (a module fastai has loaded: nothing is imported by name)
     return c if isinstance(c, type) and issubclass(c, TensorBase) else None
 
-_NUMERIC_KINDS = 'biufc'   # numpy dtypes a checkpoint may name: booleans and numbers (a 'U125000000' asked 400 MB of a 1.4 KB file)
+# numpy dtypes a checkpoint may name: booleans and numbers (a 'U125000000' asked 400 MB of a 1.4 KB file)
+_NUMERIC_KINDS = 'biufc'
 
 def _field(o:dict, key:str, kind, what:str):
     "`o[key]` when it is a `kind`, else `CheckpointError` naming the tag"
     v = o.get(key)
-    if not isinstance(v, kind): raise CheckpointError(f"a checkpoint's {what} holds a malformed {key!r} ({type(v).__name__})")
+    if not isinstance(v, kind):
+        raise CheckpointError(f"a checkpoint's {what} holds a malformed {key!r} ({type(v).__name__})")
     return v
 
 def _ndarray(o:dict):
@@ -192,12 +213,14 @@ def _ndarray(o:dict):
         raise CheckpointError(f"a checkpoint's array has shape {shape!r} for {len(value)} values")
     if isinstance(value, list) and not all(type(v) in (bool, int, float, complex) for v in value):
         raise CheckpointError("a checkpoint's array holds values other than numbers")
-    if not isinstance(value, list) and len(value) and dt.kind in 'biu':   # (numpy would wrap what does not fit, silently)
+    # (numpy would wrap what does not fit, silently)
+    if not isinstance(value, list) and len(value) and dt.kind in 'biu':
         lo,hi = (0, 1) if dt.kind == 'b' else (np.iinfo(dt).min, np.iinfo(dt).max)
         if value.dtype.kind != 'i' or value.min() < lo or value.max() > hi:
             raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}")
     try: return np.array(value, dtype=dt).reshape(shape)
-    except (OverflowError, ValueError, TypeError) as e: raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}: {e}") from None
+    except (OverflowError, ValueError, TypeError) as e:
+        raise CheckpointError(f"a checkpoint's array does not fit its dtype {dt.str!r}: {e}") from None
 
 def from_plain(o, packed:list|None=None):
     """What `plain_state` wrote, made again; `CheckpointError` for a tag that is malformed (nothing else is made).
@@ -214,7 +237,8 @@ def from_plain(o, packed:list|None=None):
         if tag == 'ndarray': return _ndarray(o)
         if tag == 'json':
             try: return json.loads(_field(o, 'value', str, "'json'"))
-            except ValueError as e: raise CheckpointError(f"a checkpoint's JSON text is malformed: {str(e)[:100]}") from None
+            except ValueError as e:
+                raise CheckpointError(f"a checkpoint's JSON text is malformed: {str(e)[:100]}") from None
         if tag in ('ints', 'floats'):
             v,kind = _field(o, 'value', torch.Tensor, repr(tag)),{'tuple': tuple, 'list': list}.get(o.get('type'))
             if kind is None or v.ndim != 1 or v.dtype != (torch.int64 if tag == 'ints' else torch.float64):
@@ -224,14 +248,16 @@ def from_plain(o, packed:list|None=None):
         if tag == 'shard': return _field(o, 'value', torch.Tensor, 'shard').as_subclass(_Shard)
         if tag == 'tensor':
             cls = _fastai_tensor(o.get('type'))
-            if cls is None: raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
+            if cls is None:
+                raise CheckpointError(f"a checkpoint names a tensor type that is not fastai's: {o.get('type')!r}")
             return _field(o, 'value', torch.Tensor, 'tensor').as_subclass(cls)
         raise CheckpointError(f"a checkpoint holds an unknown tag {tag!r}")
     if isinstance(o, (list, tuple)) and type(o) in (list, tuple): return type(o)(from_plain(v, packed) for v in o)
     return o
 
 class Plain:
-    "A state made plain already (`plain_state`, tensors copied), and the mode bits of its file: what a background write takes"
+    """A state made plain already (`plain_state`, tensors copied), and the mode bits of its file: what a background
+    write takes"""
     def __init__(self, value, perms:int|None=None): self.value,self.perms = value,perms
 
 def write_checkpoint(path:Path, obj)->int:
@@ -239,7 +265,9 @@ def write_checkpoint(path:Path, obj)->int:
     the bytes written"""
     plain = obj.value if isinstance(obj, Plain) else packed_state(obj)
     buf = io.BytesIO(); torch.save(plain, buf); data = buf.getvalue()
-    with atomic_write(path, perms=getattr(obj, 'perms', None)) as f: f.write(MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data))); f.write(data)
+    with atomic_write(path, perms=getattr(obj, 'perms', None)) as f:
+        f.write(MAGIC + struct.pack('<IQ', zlib.crc32(data), len(data)))
+        f.write(data)
     return len(data)
 
 def _unsupported(e)->str:
@@ -255,7 +283,8 @@ class _Past:
     def readable(self)->bool: return True
     def seekable(self)->bool: return True
     def tell(self)->int: return self.f.tell() - self.h
-    def seek(self, pos:int, whence:int=0)->int: return self.f.seek(pos + self.h if whence == 0 else pos, whence) - self.h
+    def seek(self, pos:int, whence:int=0)->int:
+        return self.f.seek(pos + self.h if whence == 0 else pos, whence) - self.h
 
 def read_checkpoint(path)->dict:
     """The contents of one checkpoint file, checked (its length and CRC-32); `CheckpointError` if it is cut or damaged.
@@ -274,8 +303,8 @@ def read_checkpoint(path)->dict:
         f.seek(h)
         try: st = torch.load(_Past(f, h), map_location='cpu', weights_only=True)   # (runs no code: see `_plain_state`)
         except pickle.UnpicklingError as e:
-            raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings and "
-                                   f"containers, which loading would run as code ({_unsupported(e)})") from None
+            raise UnsafeCheckpoint(f"{path}: refused, not read: it holds objects other than tensors, numbers, strings "
+                                   f"and containers, which loading would run as code ({_unsupported(e)})") from None
         except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(st, dict): raise CheckpointError(f"{path}: holds a {type(st).__name__}, not the state of a fit")
     try:

@@ -19,22 +19,26 @@ from .format import CheckpointError, UnsafeCheckpoint, read_checkpoint
 from ..core.distributed import is_fsdp, process_count, process_rank, unwrap
 from .world_size import is_elastic
 
-__all__ = ['writes_sharded', 'sharded_state', 'save_sharded', 'read_whole', 'check_sharded', 'load_sharded', 'remove_sharded',
+__all__ = ['writes_sharded', 'sharded_state', 'save_sharded', 'read_whole', 'check_sharded', 'load_sharded',
+           'remove_sharded',
            'read_dcp_metadata']
 
 _META = 'torch.distributed.checkpoint.metadata'
-_ALLOWED = {(_META, n) for n in ('Metadata', 'MetadataIndex', 'StorageMeta', 'TensorProperties', 'TensorStorageMetadata', 'BytesStorageMetadata',
+_ALLOWED = {(_META, n) for n in ('Metadata', 'MetadataIndex', 'StorageMeta', 'TensorProperties',
+                                 'TensorStorageMetadata', 'BytesStorageMetadata',
                                  'ChunkStorageMetadata', '_MEM_FORMAT_ENCODING')}
 _ALLOWED |= {('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
              ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict')}
-_ALLOWED |= {(m, c) for m in ('pathlib', 'pathlib._local') for c in ('PosixPath', 'WindowsPath', 'PurePosixPath', 'PureWindowsPath')}
+_ALLOWED |= {(m, c) for m in ('pathlib', 'pathlib._local')
+             for c in ('PosixPath', 'WindowsPath', 'PurePosixPath', 'PureWindowsPath')}
 
 class _MetadataUnpickler(pickle.Unpickler):
     "Makes DCP's metadata classes, torch's dtypes and sizes, paths: any other name is refused before anything runs"
     def find_class(self, module, name):
         if (module, name) in _ALLOWED: return super().find_class(module, name)
         if module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype): return getattr(torch, name)
-        raise UnsafeCheckpoint(f"refused, not read: it names {module}.{name}, which is not DCP's metadata and would run as code")
+        raise UnsafeCheckpoint(f"refused, not read: it names {module}.{name}, which is not DCP's metadata and would "
+                               "run as code")
 
 def read_dcp_metadata(path)->object:
     "DCP's metadata file at `path`, read by `_MetadataUnpickler`; `UnsafeCheckpoint` for anything but tensors' metadata"
@@ -42,11 +46,15 @@ def read_dcp_metadata(path)->object:
     try: md = _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
     except UnsafeCheckpoint as e: raise UnsafeCheckpoint(f"{path}: {e}") from None
     except Exception as e: raise CheckpointError(f"{path}: damaged ({type(e).__name__}: {e})") from None
-    if type(md) is not Metadata: raise UnsafeCheckpoint(f"{path}: refused: it holds a {type(md).__name__}, not DCP's metadata")
+    if type(md) is not Metadata:
+        raise UnsafeCheckpoint(f"{path}: refused: it holds a {type(md).__name__}, not DCP's metadata")
     if not isinstance(getattr(md, 'state_dict_metadata', None), dict):
-        raise CheckpointError(f"{path}: damaged (its state_dict_metadata is a {type(getattr(md, 'state_dict_metadata', None)).__name__}, not a dict)")
+        raise CheckpointError(f"{path}: damaged (its state_dict_metadata is a "
+                              f"{type(getattr(md, 'state_dict_metadata', None)).__name__}, not a dict)")
     other = [k for k,v in md.state_dict_metadata.items() if type(v) is not TensorStorageMetadata]
-    if other: raise UnsafeCheckpoint(f"{path}: refused: it declares {other[0]!r} as other than a tensor (DCP would unpickle it, running code)")
+    if other:
+        raise UnsafeCheckpoint(f"{path}: refused: it declares {other[0]!r} as other than a tensor (DCP would unpickle "
+                               "it, running code)")
     return md
 
 def _reader(folder:Path):
@@ -62,11 +70,13 @@ def _reader(folder:Path):
             return md
     return SafeReader(folder)
 
-def writes_sharded(model, elastic:bool)->bool: "Does this run's checkpoint put its model and optimizer in DCP?"; return elastic and is_fsdp(model)
+def writes_sharded(model, elastic:bool)->bool:
+    "Does this run's checkpoint put its model and optimizer in DCP?"; return elastic and is_fsdp(model)
 
 def sharded_state(ckpt, st:dict, ga)->dict:
-    """The state `ckpt` (a `Checkpoint`; `ga` its `GradientAccumulation`) writes in its rank file: as it is, or under FSDP2 in a `global_window` run
-    without the model and optimizer, which go to the folder `ckpt-<serial>.dcp` (every rank writes its shards)"""
+    """The state `ckpt` (a `Checkpoint`; `ga` its `GradientAccumulation`) writes in its rank file: as it is, or under
+    FSDP2 in a `global_window` run without the model and optimizer, which go to the folder `ckpt-<serial>.dcp` (every
+    rank writes its shards)"""
     learn = ckpt.learn
     if not writes_sharded(learn.model, is_elastic(ga)): return st
     try: man = save_sharded(ckpt.folder/f'ckpt-{ckpt.serial:06d}.dcp', learn.model, learn.opt)
@@ -75,19 +85,23 @@ def sharded_state(ckpt, st:dict, ga)->dict:
     return strip_sharded(st, man)
 
 def read_whole(f:Path, ckpt_folder:Path)->dict:
-    "The rank file `f`, checked, and the DCP folder it names (this rank checks that its files are there, rank 0 that they are whole)"
+    """The rank file `f`, checked, and the DCP folder it names (this rank checks that its files are there, rank 0 that
+    they are whole)"""
     st = read_checkpoint(f)
     if st.get('sharded'): check_sharded(ckpt_folder, st['sharded'], whole=process_rank() == 0)
     return st
 
 def _tensors(model, opt)->tuple[dict, list]:
-    "The tensors DCP holds, by name: the model's state and the optimizer's sharded (DTensor) states; and the latter's (index, name)"
+    """The tensors DCP holds, by name: the model's state and the optimizer's sharded (DTensor) states; and the latter's
+    (index, name)"""
     state = {f'model/{k}': v for k,v in unwrap(model).state_dict().items()}
     keys = []
     if opt is not None:
         for i,(p,*_) in enumerate(opt.all_params(with_grad=False)):
             for name,v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and hasattr(v, 'device_mesh'): state[f'opt/{i}/{name}'] = v; keys.append((i, name))
+                if isinstance(v, torch.Tensor) and hasattr(v, 'device_mesh'):
+                    state[f'opt/{i}/{name}'] = v
+                    keys.append((i, name))
     return state,keys
 
 def _crc(f:Path)->tuple[int,int]:
@@ -105,7 +119,8 @@ def save_sharded(folder:Path, model, opt)->dict:
     dcp.save(state, storage_writer=FileSystemWriter(part, single_file_per_rank=True, thread_count=1))
     own = sorted(part.glob(f'__{rank}_*.distcp'))
     if len(own) > 1 or (own and own[0].name != f'__{rank}_0.distcp'):
-        raise CheckpointError(f"DCP wrote {[f.name for f in own]} for rank {rank} in {part}, one file __{rank}_0.distcp was asked")
+        raise CheckpointError(f"DCP wrote {[f.name for f in own]} for rank {rank} in {part}, one file "
+                              f"__{rank}_0.distcp was asked")
     sums = torch.zeros(world, 2, dtype=torch.int64)
     if own: sums[rank] = torch.tensor(_crc(own[0]))
     else: sums[rank] = -1
@@ -115,7 +130,8 @@ def save_sharded(folder:Path, model, opt)->dict:
         files['.metadata'] = _crc(part/'.metadata')
         shutil.rmtree(folder, ignore_errors=True); part.rename(folder)
     if world > 1: dist.barrier()
-    return dict(dir=folder.name, model=[k[len('model/'):] for k in state if k.startswith('model/')], opt=keys, files=files)
+    return dict(dir=folder.name, model=[k[len('model/'):] for k in state if k.startswith('model/')], opt=keys,
+                files=files)
 
 def check_sharded(ckpt_folder:Path, manifest:dict, whole:bool=True):
     "`CheckpointError` if the DCP folder `manifest` names is missing, or (`whole`) a file of it is cut or damaged"
@@ -134,7 +150,8 @@ def load_sharded(ckpt_folder:Path, st:dict, model, opt)->dict:
     man = st['sharded']
     sd = unwrap(model).state_dict()
     missing = [k for k in man['model'] if k not in sd]
-    if missing: raise CheckpointError(f"Checkpoint: {ckpt_folder/man['dir']} holds {missing[0]!r}, which this model has not")
+    if missing:
+        raise CheckpointError(f"Checkpoint: {ckpt_folder/man['dir']} holds {missing[0]!r}, which this model has not")
     state = {f'model/{k}': sd[k] for k in man['model']}
     params = [p for p,*_ in opt.all_params(with_grad=False)] if opt is not None else []
     for i,name in man['opt']: state[f'opt/{i}/{name}'] = torch.zeros_like(params[i])

@@ -17,16 +17,20 @@ from .fit_state import callback_states
 from ..window.global_window import global_samples, rank_batches, window_ends
 from ..core.protocols import RunningStatsPolicy, trained_bn_layers
 
-__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world', 'say_what_differs', 'RankDraws']
+__all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world',
+           'say_what_differs', 'RankDraws']
 
-def is_elastic(ga)->bool: "Can this run resume on another number of processes?"; return ga is not None and ga.window_over_ranks
+def is_elastic(ga)->bool:
+    "Can this run resume on another number of processes?"; return ga is not None and ga.window_over_ranks
 
 def loader_signature(learn, ga)->dict:
     """What a checkpoint's signature says of the processes and the training loader: with `global_window` the whole
     data and the window over all ranks (the same on any number of processes), else this rank's batches and the world"""
     dl = learn.dls.train
-    if not is_elastic(ga): return {'world size': process_count(), 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}"}
-    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of {ga.window_samples} samples over all ranks"}
+    if not is_elastic(ga):
+        return {'world size': process_count(), 'training loader': f"{len(dl)} batches of {getattr(dl, 'bs', None)}"}
+    return {'training loader': f"{global_samples(dl)} samples in micro-batches of {dl.bs}, windows of "
+                               f"{ga.window_samples} samples over all ranks"}
 
 def save_waits(ga, model, batches_due:bool)->bool:
     """Does a checkpoint due now wait for the window's end? Under FSDP2, which holds a window's gradients unsharded
@@ -36,14 +40,16 @@ def save_waits(ga, model, batches_due:bool)->bool:
     return is_fsdp(model) or (is_elastic(ga) and not batches_due)
 
 def source_rank(ga)->int:
-    "Whose checkpoint files this rank looks for: rank 0's in a `global_window` run (it may have run on fewer ranks), else its own"
+    """Whose checkpoint files this rank looks for: rank 0's in a `global_window` run (it may have run on fewer ranks),
+    else its own"""
     return 0 if is_elastic(ga) else process_rank()
 
 def elastic_state(ckpt, serial:int, st:dict, ga, mine:dict|None=None)->tuple[dict,object]:
-    """Rank 0's checkpoint `st` (number `serial` of `ckpt`, a `Checkpoint`; `ga` its `GradientAccumulation`) as this rank resumes it: saved on as many
-    processes as run now, this rank's own file; on another number, rank 0's, its place in the epoch counted in this
-    world's batches (the batch read ahead left out: it is another rank's now). Refused mid-window and under FSDP2.
-    `mine`: this rank's own file, read already. Returns the state and the file it came from"""
+    """Rank 0's checkpoint `st` (number `serial` of `ckpt`, a `Checkpoint`; `ga` its `GradientAccumulation`) as this
+    rank resumes it: saved on as many processes as run now, this rank's own file; on another number, rank 0's, its place
+    in the epoch counted in this world's batches (the batch read ahead left out: it is another rank's now). Refused
+    mid-window and under FSDP2. `mine`: this rank's own file, read already. Returns the state and the file it came
+    from"""
     learn = ckpt.learn
     old,new = st.get('world', 1),process_count()
     own = ckpt.file(serial, process_rank())
@@ -62,25 +68,31 @@ def elastic_state(ckpt, serial:int, st:dict, ga, mine:dict|None=None)->tuple[dic
     ga_key = next(k for k,cb,_,_ in callback_states(learn, ckpt) if cb is ga)
     where = f"Checkpoint: {ckpt.file(serial, 0)} was saved on {old} process(es) and this run has {new}"
     shard = _rank_shard(st)
-    if shard: raise CheckpointError(f"{where}, and {shard} holds a rank's shard, which another number cannot read: launch {old} processes")
+    if shard:
+        raise CheckpointError(f"{where}, and {shard} holds a rank's shard, which another number cannot read: launch "
+                              f"{old} processes")
     say_what_differs(learn, old, new)
     if st['where'] != 'mid': return st,ckpt.file(serial, 0)
     if st['callbacks'][ga_key]['window']['n_micro']:
         raise CheckpointError(f"{where}, and it holds half a window ({st['callbacks'][ga_key]['window']['n_micro']} "
-                              f"micro-batch(es) a rank), which cannot be cut again for {new}: launch {old} processes, or "
-                              "resume from a checkpoint at a window's end (`every=`, epoch ends and signals save there)")
+                              f"micro-batch(es) a rank), which cannot be cut again for {new}: launch {old} processes, "
+                              "or resume from a checkpoint at a window's end (`every=`, epoch ends and signals save "
+                              "there)")
     window,bs,n = ga.window_samples,learn.dls.train.bs,global_samples(learn.dls.train)
-    deal = dict(bs=bs, partial=ga.window_partial != 'drop', drop_last=bool(getattr(learn.dls.train, 'drop_last', False)))
+    deal = dict(bs=bs, partial=ga.window_partial != 'drop',
+                drop_last=bool(getattr(learn.dls.train, 'drop_last', False)))
     k = batches_in_world(st['k'], n, window, old, new, **deal)
     per_epoch = rank_batches(n, window, new, process_rank(), **deal)
-    return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None, train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)
+    return dict(st, k=k, iter_done=k, ahead=None, ahead_device=None,
+                train_iter=st['epoch']*per_epoch + k),ckpt.file(serial, 0)
 
 def batches_in_world(k:int, n:int, window:int, old:int, new:int, bs:int, partial:bool=True, drop_last:bool=False)->int:
     """A rank's micro-batches done in an epoch of `n` samples, `k` on `old` processes at a window's end, counted again
     on `new` processes: the same windows done (`global_window.deal`: each window's micro-batches dealt whole, padding
     included, as many on every rank)"""
     ends = window_ends(n, window, old, bs, partial, drop_last)
-    if k not in ends: raise CheckpointError(f"Checkpoint: {k} micro-batches a rank is not a window's end on {old} processes")
+    if k not in ends:
+        raise CheckpointError(f"Checkpoint: {k} micro-batches a rank is not a window's end on {old} processes")
     return window_ends(n, window, new, bs, partial, drop_last)[ends.index(k)]
 
 def _rank_shard(o, where='state')->str|None:
@@ -101,10 +113,10 @@ def say_what_differs(learn, old:int, new:int):
     bns = [] if same else trained_bn_layers(learn.model, learn)
     if bns and process_rank() == 0:
         mode = getattr(policy, 'mode', None)
-        warnings.warn(f"Checkpoint: resumed on {new} process(es) from {old}: {len(bns)} BatchNorm layer(s) update their running "
-                      f"statistics on each rank's micro-batches (mode {mode!r}), so those statistics are not the uninterrupted "
-                      f"run's ({'nor the weights: Batch Renorm corrects with them' if mode == 'renorm' else 'the weights are'}; "
-                      f"'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=2)
+        warnings.warn(f"Checkpoint: resumed on {new} process(es) from {old}: {len(bns)} BatchNorm layer(s) update "
+                      f"their running statistics on each rank's micro-batches (mode {mode!r}), so those statistics are "
+                      "not the uninterrupted run's "
+                      f"({'nor the weights: Batch Renorm corrects with them' if mode == 'renorm' else 'the weights are'}; 'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=2)
     learn.add_cb(RankDraws(old, new))
 
 class RankDraws(Callback):
@@ -113,13 +125,14 @@ class RankDraws(Callback):
     the epoch's start) draws on each rank, so the run is not the uninterrupted one: said once, then this leaves"""
     order,run_valid = 96,False
     def __init__(self, old:int, new:int): self.old,self.new,self.last = old,new,None
-    def before_fit(self): self.learn.remove_cb(self)   # (joined at the resumed fit's start, after its `before_fit`: one left by an interrupted fit leaves)
+    # (joined at the resumed fit's start, after its `before_fit`: one left by an interrupted fit leaves)
+    def before_fit(self): self.learn.remove_cb(self)
     def before_train(self): self.last = None
     def after_backward(self):
         if self.last is None or _same(self.last, rng_states()): return
         if process_rank() == 0:
-            warnings.warn(f"Checkpoint: resumed on {self.new} process(es) from {self.old}: training draws random numbers "
-                          "(dropout, random transforms), which each rank draws for its own micro-batches, so this is not "
+            warnings.warn(f"Checkpoint: resumed on {self.new} process(es) from {self.old}: training draws random "
+                          "numbers (dropout, random transforms), which each rank draws for its own micro-batches, so this is not "
                           f"the uninterrupted run (the samples of each window are): {_MEASURED}", stacklevel=2)
         self.learn.remove_cb(self)
     def after_batch(self): self.last = rng_states()

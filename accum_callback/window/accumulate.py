@@ -1,4 +1,5 @@
-"Exact gradient accumulation for fastai: every optimizer step gets the gradient one large batch of the same samples gives"
+"""Exact gradient accumulation for fastai: every optimizer step gets the gradient one large batch of the same samples
+gives"""
 from __future__ import annotations
 
 import torch, torch.nn as nn
@@ -40,8 +41,10 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
 
     def __init__(self,
         *args, # refused: name the window (`n_step=` counts micro-batches; fastai's positional count is samples)
-        n_step:int|dict|callable=None, # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
-        target_bs:int|dict|callable=None, # items per optimizer step: a window closes at the first micro-batch reaching it
+        # micro-batches per optimizer step (or an `{epoch: n}` mapping / function of progress)
+        n_step:int|dict|callable=None,
+        # items per optimizer step: a window closes at the first micro-batch reaching it
+        target_bs:int|dict|callable=None,
         partial:str=None, # partial window at the end of an epoch: 'step' it (default), 'drop' it, or 'carry' it on
         n_items:callable=None, # `f(learn)` -> items the micro-batch's mean loss averages over (default: the batch size)
         skip_nonfinite:bool=True, # drop a window in which any micro-batch gave a non-finite loss
@@ -57,7 +60,8 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         self.sync = SyncPolicy()
         self.mb,self._joined,self._bn_hooks,self._new_fit,self.window_listeners = None,[],[],False,Listeners()
         self.said = set()   # what `advice` has said at fit start (once each: 'window', 'layers', 'fsdp')
-        self._ahead,self.window,self.padding = None,Window(),Padding()   # the loader read ahead; the open window; padding
+        # the loader read ahead; the open window; padding
+        self._ahead,self.window,self.padding = None,Window(),Padding()
         self.reset_logs()
 
     def __repr__(self):
@@ -67,7 +71,8 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
     def window_text(self)->str: "The window in words: `4 x 8 = 32 per step`"; return describe_window(self)
 
     resume_keys = ('window',)
-    def resume_signature(self)->dict: "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
+    def resume_signature(self)->dict:
+        "A resume must cut the same windows"; return {'window': f"{self.plan.sched!r}, partial={self.plan.partial!r}"}
 
     @property
     def window_n_step(self)->int:
@@ -89,15 +94,18 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         if in_inference(self.learn): return
         self.sync.fit_starts(self.learn)
         refuse_at_fit_start(self.learn)   # every refusal of ours, before anything is set up
-        self._new_fit = True   # the logs of the last fit are reset at its first training batch: they survive a `validate()`
+        # the logs of the last fit are reset at its first training batch: they survive a `validate()`
+        self._new_fit = True
         self.window.reset(); self.window.start_micro()
         self._zero_grads()      # nothing left by an earlier fit (or by hand) leaks into the first window
         add_fit_guard(self.learn, 'gradient_accumulation', lambda e: self._unhook())   # errors, KeyboardInterrupt
         self.mb,self.plan.clock = micro_batching(self.learn),type(self.plan.clock)()
-        # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it itself
+        # the loader's real end: read ahead (after any callback that replaces the loader); `MicroBatching` does it
+        # itself
         if self.mb is None: self.learn.add_cb(CutLoader(self))
         warn_at_fit_start(self, getattr(self.dls.train, 'bs', None))
-        self._bn_hooks = None   # BatchNorm's check: hooked at the fit's first micro-batch of 1 item, on to the fit's end
+        # BatchNorm's check: hooked at the fit's first micro-batch of 1 item, on to the fit's end
+        self._bn_hooks = None
         if (f := lr_finder(self.learn)) is not None:   # `lr_find`: a rate a step (joined now: its `before_fit` by hand)
             self.learn.add_cb(w := WindowedLRFinder(self, f)); self._joined.append(w); w.before_fit()
 
@@ -114,15 +122,18 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         remove_fit_guard(self.learn, 'gradient_accumulation')
         if not self._new_fit: self.warn_skipped()   # (trained in this fit)
 
-    def before_train(self): check_fsdp(self.learn.model)   # a model another callback sharded in its `before_fit` (Accelerate's FSDP plugin)
+    # a model another callback sharded in its `before_fit` (Accelerate's FSDP plugin)
+    def before_train(self): check_fsdp(self.learn.model)
     def start_train(self):
-        "(`CutLoader`, once the loader is final) Read the training loader ahead: the window ends where the loader really ends"
+        """(`CutLoader`, once the loader is final) Read the training loader ahead: the window ends where the loader
+        really ends"""
         self._ahead = self.learn.dl = ReadAhead(self.plan.loader(self.learn.dl, self.learn.model))
 
     def _remove_bn_hooks(self): [h.remove() for h in self._bn_hooks or []]; self._bn_hooks = []
 
     def _unhook(self):
-        "The fit is over (or left by an exception): the window discarded, the loader and the callback list as before the fit"
+        """The fit is over (or left by an exception): the window discarded, the loader and the callback list as before
+        the fit"""
         self._remove_bn_hooks()
         self._discard_window()
         learn = self.learn
@@ -146,7 +157,8 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
         if self._new_fit: self.reset_logs(); self._new_fit = False
         self._end_micro()   # the last micro-batch's `after_batch` did not reach us (cancelled by a callback before us)
         bs,ddp = find_bs(learn.yb if len(learn.yb) else learn.xb),is_distributed(learn.model)
-        if bs < 2 and self._bn_hooks is None: self._bn_hooks = one_value_hooks(learn)   # (a micro-batch of 2 costs nothing)
+        # (a micro-batch of 2 costs nothing)
+        if bs < 2 and self._bn_hooks is None: self._bn_hooks = one_value_hooks(learn)
         if plan.clock.epoch != learn.epoch:   # the clock counts the epoch's windows over the loader's real batches
             real = self.mb.loader.dl if self.mb is not None and self.mb.loader is not None else (self._ahead.dl if self._ahead is not None else learn.dl)
             plan.start_epoch(learn, real, w.n_units if self.mb is not None else w.n_micro, w.n_samples, ddp)
@@ -157,7 +169,8 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
 
     def before_backward(self):
         learn,w = self.learn,self.window
-        n = 0 if self.padding.on else micro_items(learn, self.n_items, w.bs)   # the count the micro-batch's loss averages over
+        # the count the micro-batch's loss averages over
+        n = 0 if self.padding.on else micro_items(learn, self.n_items, w.bs)
         if 'count' not in self.said: warn_counting(self)
         # the window's first micro-batch: its reference (under DDP the loader's batch size, the same on every rank), the
         # loss's kind, and the hyper-parameters the schedule gives now, which its step uses
@@ -212,7 +225,8 @@ class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _end_micro(self):
-        "Finish the micro-batch: leave no_sync, put hyper-parameters back, and drop a window whose step was cancelled after its backward"
+        """Finish the micro-batch: leave no_sync, put hyper-parameters back, and drop a window whose step was cancelled
+        after its backward"""
         w = self.window
         w.exit_no_sync(); w.put_back_hypers(self.learn.opt); self.padding.end()
         if w.action is not None and not w.closed and (w.counted or w.record is not None):
@@ -252,16 +266,17 @@ def describe_window(ga)->str:
 
 def refuse_unreduced_loss(loss_func):
     "A loss with `reduction='none'` gives one loss per item: fastai's backward needs one number (the mean, or a sum)"
-    f = getattr(loss_func, 'func', loss_func)   # (fastai's `CrossEntropyLossFlat` and other `BaseLoss` hold torch's loss there)
+    # (fastai's `CrossEntropyLossFlat` and other `BaseLoss` hold torch's loss there)
+    f = getattr(loss_func, 'func', loss_func)
     if getattr(loss_func, 'reduction', None) == 'none' or (isinstance(f, nn.Module) and getattr(f, 'reduction', None) == 'none'):
         raise ValueError(f"loss_func {type(loss_func).__name__}(reduction='none') gives a loss per item, and fastai's backward "
                          "needs one number: give the Learner the default reduction='mean' (e.g. nn.CrossEntropyLoss()), or "
                          "reduce it yourself: loss_func=lambda out, *y: loss(out, *y).mean()")
 
 def one_value_hooks(learn)->list:
-    """Forward pre-hooks on the model's BatchNorm layers, put on at the fit's first micro-batch of 1 item and kept to the
-    fit's end: a layer in training mode given one value per channel is refused naming the fix, before torch raises deep
-    in the forward (a layer in eval mode, in validation or frozen, is not checked)"""
+    """Forward pre-hooks on the model's BatchNorm layers, put on at the fit's first micro-batch of 1 item and kept to
+    the fit's end: a layer in training mode given one value per channel is refused naming the fix, before torch raises
+    deep in the forward (a layer in eval mode, in validation or frozen, is not checked)"""
     def check(name):
         def hook(m, args):
             x = args[0] if args else None
@@ -289,7 +304,8 @@ def one_item_source(learn)->tuple[str,str]:
 def accumulate(self:Learner,
     n_step:int|dict|callable=None, # micro-batches per optimizer step (loader batches where `micro_bs` cuts them)
     n_acc:int|float=None, # fastai's spelling: items per optimizer step, `target_bs` with windows carried over epochs
-    micro_bs:int|str=None, # cut every loader batch into micro-batches of this many items ('auto': the largest that fits)
+    # cut every loader batch into micro-batches of this many items ('auto': the largest that fits)
+    micro_bs:int|str=None,
     **kwargs # `target_bs`, `partial`, `n_items`, `skip_nonfinite`, `global_window`: see `GradientAccumulation`
 ):
     """Accumulate gradients exactly over micro-batches: replaces any accumulation callback already there (ours or

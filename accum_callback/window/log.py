@@ -1,4 +1,5 @@
-"What `GradientAccumulation` records of each window of a fit (its public logs), their state for a checkpoint, and the plot"
+"""What `GradientAccumulation` records of each window of a fit (its public logs), their state for a checkpoint, and the
+plot"""
 from __future__ import annotations
 import warnings
 
@@ -32,7 +33,8 @@ class WindowLog:
     def logs_state(self)->dict: return {k: getattr(self, k) for k in LOGS}
     def load_logs(self, sd:dict):
         "The logs' names only (no other attribute a file names), each a list or a count as `logs_state` gives them"
-        bad = next((k for k in LOGS if k in sd and not (isinstance(sd[k], list) if k.startswith('window_')   # (the lists; the rest counts)
+        # (the lists; the rest counts)
+        bad = next((k for k in LOGS if k in sd and not (isinstance(sd[k], list) if k.startswith('window_')
                                                         else type(sd[k]) is int and sd[k] >= 0)), None)
         if bad is not None: raise ValueError(f"a window log's {bad!r} is {sd[bad]!r:.80}: not a log this package wrote")
         for k in LOGS:
@@ -50,8 +52,9 @@ class WindowLog:
         return ax
 
     def plot_loss(self, recorder=None, ax=None):
-        """fastai's `learn.recorder.plot_loss()` counted in optimizer steps rather than micro-batches: each step's window
-        loss, and the validation loss of each epoch of `recorder` (the Learner's, by default) at the step it ended on"""
+        """fastai's `learn.recorder.plot_loss()` counted in optimizer steps rather than micro-batches: each step's
+        window loss, and the validation loss of each epoch of `recorder` (the Learner's, by default) at the step it
+        ended on"""
         import bisect, itertools
         ax = self.plot_windows(ax)
         ax.lines[0].set_label('train (window loss)')

@@ -15,25 +15,30 @@ __all__ = ['WindowPlan', 'Padding']
 class WindowPlan:
     "The window's size and rule, from `GradientAccumulation`'s window arguments (checked at construction)"
     def __init__(self, n_step=None, target_bs=None, partial=None, global_window:bool=False):
-        "`global_window`: `target_bs` counts the samples of all ranks together, each window the same on any number of them"
+        """`global_window`: `target_bs` counts the samples of all ranks together, each window the same on any number of
+        them"""
         self.n_step,self.target_bs,self.partial = window_arguments(n_step, target_bs, partial)
         self.global_window = flag(global_window, 'global_window')
         if global_window and (self.target_bs is None or self.target_bs.constant is None):
             raise ValueError("GradientAccumulation(global_window=True) keeps a window of `target_bs` samples over all ranks: "
                              f"give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r})")
         if global_window and self.partial == 'carry':   # its grid restarts each epoch, one process's does not
-            raise ValueError("GradientAccumulation(global_window=True, partial='carry'): a window carried into the next epoch "
-                             "is not cut alike on another number of processes; give partial='step' (the default) or 'drop'")
+            raise ValueError("GradientAccumulation(global_window=True, partial='carry'): a window carried into the "
+                             "next epoch is not cut alike on another number of processes; give partial='step' (the "
+                             "default) or 'drop'")
         self.clock,self.decided = WindowClock(),0   # `decided`: the last loader batch decided (`MicroBatching`)
         self.dealt = None   # a `global_window` fit on several processes: the `WindowShardDL` that deals the windows
 
     @property
     def sched(self)->WindowSchedule: "The window's schedule"; return self.n_step or self.target_bs
     @property
-    def by_items(self)->bool: "Is the window counted in items (`target_bs`) rather than micro-batches?"; return self.n_step is None
+    def by_items(self)->bool:
+        "Is the window counted in items (`target_bs`) rather than micro-batches?"; return self.n_step is None
 
     @property
-    def ranks(self)->int: "Ranks a window's `target_bs` is counted over: all of them with `global_window`, else 1"; return process_count() if self.global_window else 1
+    def ranks(self)->int:
+        "Ranks a window's `target_bs` is counted over: all of them with `global_window`, else 1"
+        return process_count() if self.global_window else 1
 
     def units(self, target:int, bs:int)->int:
         "Units a full window of `target` (0: the schedule's now) takes on this rank at the loader's batch size `bs`"
@@ -41,18 +46,21 @@ class WindowPlan:
         return max(1, math.ceil((target or self.target_bs())/(bs*self.ranks)))
 
     def check_ranks(self, learn, cut:bool=False):
-        "At fit start, before anything is set up: with `global_window` over several processes, can they share each window?"
+        """At fit start, before anything is set up: with `global_window` over several processes, can they share each
+        window?"""
         dl = learn.dls.train
         if self.global_window and cut:
             raise ValueError("GradientAccumulation(global_window=True) deals whole loader batches to the ranks: "
                              "remove `MicroBatching` from the Learner")
         if not (self.global_window and process_count() > 1): return
         check_fastai_sharding(learn)
-        check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial, bool(getattr(dl, 'drop_last', False)))
+        check_window_share(self.target_bs(), process_count(), dl.bs, global_samples(dl), self.partial,
+                           bool(getattr(dl, 'drop_last', False)))
 
     def loader(self, dl, model):
         "The training loader to read: with `global_window` under DDP, fastai's rank shares dealt again window by window"
-        self.dealt = shard_by_window(dl, self.target_bs(), self.partial) if self.global_window and is_distributed(model) else None
+        self.dealt = shard_by_window(dl, self.target_bs(),
+                                     self.partial) if self.global_window and is_distributed(model) else None
         return self.dealt if self.dealt is not None else dl
 
     def dealt_unit(self, learn, w, padding)->str|None:
@@ -60,7 +68,8 @@ class WindowPlan:
         rank), or None; `padding` started where it is one (a copy run with zero weight: this rank holds fewer of the
         window's micro-batches)"""
         if not w.n_units: w.target = self.window_starts(learn)
-        pad,per = self.dealt.layout()[self.clock.j - 1]   # (the clock counts the epoch's windows, one process's: this one is its last)
+        # (the clock counts the epoch's windows, one process's: this one is its last)
+        pad,per = self.dealt.layout()[self.clock.j - 1]
         w.n_units += 1
         if w.n_units <= pad: padding.start(learn.model)
         return 'step' if w.n_units == per else None
@@ -81,7 +90,8 @@ class WindowPlan:
         return w.unit_action if piece.last_piece else None
 
     def micro_batches(self, window, bs:int|None, mb=None)->int:
-        "Micro-batches a full window takes now: its units at loader batch size `bs`, each cut by `mb` (`MicroBatching`) where it cuts"
+        """Micro-batches a full window takes now: its units at loader batch size `bs`, each cut by `mb`
+        (`MicroBatching`) where it cuts"""
         bs = bs or window.bs or 1   # (a loader of ready-made batches has no bs)
         k = self.units(window.target, bs)
         return k*mb.pieces(bs) if mb is not None and mb.size else k
@@ -94,8 +104,10 @@ class WindowPlan:
         return decide(b, units, seen, target, self.by_items, last, self.partial, learn.epoch >= learn.n_epoch-1)
 
     def start_epoch(self, learn, dl, units:int, seen:int, ddp:bool):
-        "An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows (once an epoch: `clock.epoch`)"
-        sizes = (batch_sizes(self.dealt.dl) if self.dealt is not None else   # (dealt: one process's loader, whose windows the clock counts)
+        """An epoch of `dl`'s real batches starts (`units`/`seen`: a window carried in): the clock counts its windows
+        (once an epoch: `clock.epoch`)"""
+        # (dealt: one process's loader, whose windows the clock counts)
+        sizes = (batch_sizes(self.dealt.dl) if self.dealt is not None else
                  [learn.dls.train.bs*self.ranks]*len(batch_sizes(dl)) if ddp else batch_sizes(dl))
         self.clock.start_epoch(learn.epoch, learn.n_epoch, sizes, self.sched, self.by_items, self.partial, units, seen)
 

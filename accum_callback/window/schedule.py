@@ -6,12 +6,14 @@ from numbers import Integral
 
 from ..core.args import whole_number   # (re-exported for code that read them from here)
 
-__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'window_arguments', 'PARTIAL_MODES', 'decide', 'windows_started', 'WindowClock']
+__all__ = ['WindowSchedule', 'as_window_schedule', 'batch_growth_from_lr', 'window_arguments', 'PARTIAL_MODES',
+           'decide', 'windows_started', 'WindowClock']
 
 PARTIAL_MODES = ('step', 'drop', 'carry')
 
 def window_arguments(n_step=None, target_bs=None, partial=None):
-    "`GradientAccumulation`'s window arguments, checked: `(n_step, target_bs, partial)`, the first two as `WindowSchedule`s or None"
+    """`GradientAccumulation`'s window arguments, checked: `(n_step, target_bs, partial)`, the first two as
+    `WindowSchedule`s or None"""
     if n_step is not None and target_bs is not None:
         raise ValueError("Give exactly one of `n_step` (micro-batches per optimizer step) or `target_bs` "
                          f"(items per optimizer step); got n_step={n_step!r}, target_bs={target_bs!r}")
@@ -29,7 +31,8 @@ class WindowSchedule:
             for k in value:
                 if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:
                     raise TypeError(f"`{name}` mapping keys must be epochs (whole numbers >= 0), got {k!r}")
-            if 0 not in value: raise ValueError(f"`{name}` mapping must give the value for epoch 0, got keys {sorted(value)}")
+            if 0 not in value:
+                raise ValueError(f"`{name}` mapping must give the value for epoch 0, got keys {sorted(value)}")
             self.table = sorted((int(k), whole_number(v, name, f' (value for epoch {k})')) for k,v in value.items())
             self.kind = 'epochs'
         elif callable(value):
@@ -43,7 +46,9 @@ class WindowSchedule:
         except Exception as e: raise ValueError(f"`{self.name}` schedule failed at pct={pct:.2f}: {e}") from e
         if not math.isfinite(v): raise ValueError(f"`{self.name}` schedule gave {v} at pct={pct:.2f}")
         r = int(round(v))
-        if r < 1: raise ValueError(f"`{self.name}` schedule gave {v} at pct={pct:.2f}, which rounds to {r}: values must round to >= 1")
+        if r < 1:
+            raise ValueError(f"`{self.name}` schedule gave {v} at pct={pct:.2f}, which rounds to {r}: values must "
+                             "round to >= 1")
         return r
 
     def __call__(self, pct:float=0., epoch:int=0)->int:
@@ -52,7 +57,8 @@ class WindowSchedule:
         return [v for k,v in self.table if k <= epoch][-1]
 
     @property
-    def constant(self)->int|None: "The window's size where it never changes, else None"; return self.const if self.kind == 'const' else None
+    def constant(self)->int|None:
+        "The window's size where it never changes, else None"; return self.const if self.kind == 'const' else None
     @property
     def per_epoch(self)->bool:
         "Is the size known for a whole epoch ahead (a number or an `{epoch: n}` mapping), not only as training goes?"
@@ -66,7 +72,8 @@ class WindowSchedule:
     def __repr__(self): return f"WindowSchedule({self.name}={self.value!r})"
 
 def as_window_schedule(value, name:str)->WindowSchedule|None:
-    "`None` stays `None`, a `WindowSchedule` (a subclass's too) is taken as it is; anything else becomes a validated one"
+    """`None` stays `None`, a `WindowSchedule` (a subclass's too) is taken as it is; anything else becomes a validated
+    one"""
     if isinstance(value, WindowSchedule): value.name = name; return value
     return None if value is None else WindowSchedule(value, name)
 
@@ -90,12 +97,15 @@ def batch_growth_from_lr(lr_sched, base:int, max_value:int|None=None, name:str='
         for k,lr in lr_sched.items():
             if not (float(lr) > 0): raise ValueError(f"`lr_sched` must be > 0 everywhere, got {lr} at epoch {k}")
         return {int(k): cap(max(1, int(round(base*lr0/float(lr))))) for k,lr in sorted(lr_sched.items())}
-    if not callable(lr_sched): raise TypeError(f"`lr_sched` must be a function of progress or an {{epoch: lr}} mapping, got {lr_sched!r}")
+    if not callable(lr_sched):
+        raise TypeError(f"`lr_sched` must be a function of progress or an {{epoch: lr}} mapping, got {lr_sched!r}")
     lr0 = float(lr_sched(0.))
     for i in range(101):
-        if not (float(lr_sched(i/100)) > 0): raise ValueError(f"`lr_sched` must be > 0 everywhere, got {lr_sched(i/100)} at pct={i/100:.2f}")
+        if not (float(lr_sched(i/100)) > 0):
+            raise ValueError(f"`lr_sched` must be > 0 everywhere, got {lr_sched(i/100)} at pct={i/100:.2f}")
     def _grow(pct): return cap(max(1, int(round(base*lr0/float(lr_sched(pct))))))
-    _grow.__doc__ = f"{name} grown as the learning rate would have decayed, from {base}" + (f", capped at {max_value}" if max_value else "")
+    _grow.__doc__ = f"{name} grown as the learning rate would have decayed, from {base}" + (f", capped at {max_value}"
+                                                                                            if max_value else "")
     return _grow
 
 def decide(b:int, units:int, seen:int, target:int, by_items:bool, last:bool, partial:str, last_epoch:bool)->str|None:

@@ -43,7 +43,8 @@ class Phase(enum.Enum):
     IDLE = 'idle'; RUNNING = 'running'; STEPPING = 'stepping'; CANCELLED = 'cancelled'; CLOSED = 'closed'
 
 class StepRecord(NamedTuple):
-    "One optimizer step's window: `samples`, `items` (every rank's), its item-weighted mean `loss`, `micro` micro-batches"
+    """One optimizer step's window: `samples`, `items` (every rank's), its item-weighted mean `loss`, `micro`
+    micro-batches"""
     samples: int
     items: float
     loss: float
@@ -61,10 +62,10 @@ class Window:
     """The accumulation window in progress (`learn.gradient_accumulation.window`) and the accumulation rule.
 
     Read by other callbacks through its properties: `n_micro` micro-batches counted, `n_samples`, `items` (the counts'
-    sum), `target` (its size), `summed`, `is_open`; of the micro-batch in progress: `phase`, `action`, `closes`, `n` (its
-    items once its backward counts, else None), `counted`, `is_first` (the window's first counted micro-batch), `record`
-    (the step's `StepRecord`, from `before_step` on). Its writes skip fastai's `Callback.__setattr__` checks (several per
-    micro-batch)."""
+    sum), `target` (its size), `summed`, `is_open`; of the micro-batch in progress: `phase`, `action`, `closes`, `n`
+    (its items once its backward counts, else None), `counted`, `is_first` (the window's first counted micro-batch),
+    `record` (the step's `StepRecord`, from `before_step` on). Its writes skip fastai's `Callback.__setattr__` checks
+    (several per micro-batch)."""
     __slots__ = ('n_micro', 'n_samples', 'items', 'loss_sum', 'ref', 'hypers', 'target', 'n_units', 'unit_action',
                  'summed', 'bs', 'action', 'phase', 'n', 'pending', 'record', 'hypers_now', 'no_sync')
     # what undoing a micro-batch puts back (`snapshot`/`restore`): all but the loader-batch bookkeeping of `micro_bs`
@@ -81,16 +82,21 @@ class Window:
     def load_state_dict(self, sd:dict):
         "`ValueError` naming the first field that is missing, unknown or not of its type (nothing is set then)"
         sd = dict(sd)
-        if isinstance(sd.get('phase'), str) and sd['phase'] in {p.value for p in Phase}: sd['phase'] = Phase(sd['phase'])
-        if type(sd.get('record')) in (list, tuple) and len(sd['record']) == len(StepRecord._fields): sd['record'] = StepRecord(*sd['record'])
-        bad = next((k for k in sorted(set(sd) | set(_FIELDS)) if k not in _FIELDS or k not in sd or not _fits(sd[k], _FIELDS[k])), None)
-        if bad is not None: raise ValueError(f"a window's state holds {bad!r} = {sd.get(bad)!r:.80}: not a window this package wrote")
+        if isinstance(sd.get('phase'), str) and sd['phase'] in {p.value for p in Phase}:
+            sd['phase'] = Phase(sd['phase'])
+        if type(sd.get('record')) in (list, tuple) and len(sd['record']) == len(StepRecord._fields):
+            sd['record'] = StepRecord(*sd['record'])
+        bad = next((k for k in sorted(set(sd) | set(_FIELDS)) if k not in _FIELDS or k not in sd
+                    or not _fits(sd[k], _FIELDS[k])), None)
+        if bad is not None:
+            raise ValueError(f"a window's state holds {bad!r} = {sd.get(bad)!r:.80}: not a window this package wrote")
         for k,v in sd.items(): setattr(self, k, v)
 
     def reset(self):
         "Forget the window (what its micro-batches left in the gradients is the caller's to step or zero)"
         self.n_micro,self.n_samples,self.items,self.loss_sum,self.ref,self.hypers,self.target = 0,0,0.,0.,None,None,None
-        self.n_units,self.unit_action = 0,None   # with `micro_bs`: loader batches in the window, and the last one's decision
+        # with `micro_bs`: loader batches in the window, and the last one's decision
+        self.n_units,self.unit_action = 0,None
         self.summed = False
 
     # -- the rule ---------------------------------------------------------------------------------------------------
@@ -102,7 +108,8 @@ class Window:
         return n.clamp(min=1.) if isinstance(n, torch.Tensor) else max(n, 1)
 
     def begin(self, n, summed:bool, shared:int|None=None, hypers=None):
-        "The window's first counted micro-batch (of `n` items) sets the reference, the loss's kind and the step's hyper-parameters"
+        """The window's first counted micro-batch (of `n` items) sets the reference, the loss's kind and the step's
+        hyper-parameters"""
         self.ref,self.summed,self.hypers = self.reference(n, shared),bool(summed),hypers
 
     def loss_weight(self, n):
@@ -110,11 +117,13 @@ class Window:
         return 1. if self.summed else n/self.ref
 
     def step_scale(self, items, world:int=1)->float:
-        "What the window's gradient (`items` over every rank; averaged over `world` ranks by DDP) is multiplied by before the step"
+        """What the window's gradient (`items` over every rank; averaged over `world` ranks by DDP) is multiplied by
+        before the step"""
         return float(world) if self.summed else float(self.ref)*world/items
 
     def mean_factor(self, n):
-        "What turns the gradient that weighted backwards left for `n` items (before `step_scale`) into their mean gradient"
+        """What turns the gradient that weighted backwards left for `n` items (before `step_scale`) into their mean
+        gradient"""
         return 1./n if self.summed else self.ref/n
 
     def add(self, n, bs:int, loss:torch.Tensor):
@@ -122,12 +131,13 @@ class Window:
         self.n_micro += 1; self.n_samples += bs; self.items = self.items + n; self.n,self.pending = n,None
         # a micro-batch of zero items (all ignore_index, all padding) contributes zero, also when its mean loss is NaN
         if self.summed: self.loss_sum = self.loss_sum + loss
-        elif isinstance(n, torch.Tensor): self.loss_sum = self.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
+        elif isinstance(n, torch.Tensor):
+            self.loss_sum = self.loss_sum + torch.where(n > 0, loss*n, torch.zeros_like(loss))
         elif n > 0: self.loss_sum = self.loss_sum + loss*n
 
     def verdict(self, items, loss_sum, skip_nonfinite:bool=True)->str:
-        """What the closing window does, from every rank's `items` and item-weighted `loss_sum`: 'drop' (its unit's action),
-        'skip' (no item, or a non-finite loss where `skip_nonfinite`), or 'step'. With `skip_nonfinite=False` a
+        """What the closing window does, from every rank's `items` and item-weighted `loss_sum`: 'drop' (its unit's
+        action), 'skip' (no item, or a non-finite loss where `skip_nonfinite`), or 'step'. With `skip_nonfinite=False` a
         non-finite loss steps (the user asked for it); a window of no item never does
 
         >>> w = Window(); w.action = 'step'
@@ -139,11 +149,13 @@ class Window:
         return 'skip' if bad and (skip_nonfinite or items <= 0) else 'step'
 
     def scale_grads(self, grads:list, items, world:int=1):
-        "The window's gradients `grads` (`items` over every rank, averaged over `world` ranks by DDP) scaled in place to the large batch's (`step_scale`)"
+        """The window's gradients `grads` (`items` over every rank, averaged over `world` ranks by DDP) scaled in place
+        to the large batch's (`step_scale`)"""
         scale = self.step_scale(items, world)
         if grads and scale != 1.: foreach('mul_')(grads, scale)
 
-    # -- the micro-batch in progress ------------------------------------------------------------------------------------
+    # -- the micro-batch in progress
+    # ------------------------------------------------------------------------------------
     def start_micro(self, bs:int=0, action=None):
         self.bs,self.action,self.phase,self.n,self.pending,self.record = bs,action,Phase.RUNNING,None,None,None
     def stepping(self, items, loss_sum):
@@ -159,18 +171,24 @@ class Window:
     def counted(self)->bool: "Did the micro-batch in progress's backward run and count?"; return self.n is not None
     @property
     def counts(self)->bool:
-        "Will the micro-batch in progress count (its backward under way or done, not cancelled)? Read before its `after_backward`"
+        """Will the micro-batch in progress count (its backward under way or done, not cancelled)? Read before its
+        `after_backward`"""
         return self.pending is not None or self.n is not None
     @property
-    def is_first(self)->bool: "Is the micro-batch in progress the window's first counted one?"; return self.n is not None and self.n_micro == 1
+    def is_first(self)->bool:
+        "Is the micro-batch in progress the window's first counted one?"
+        return self.n is not None and self.n_micro == 1
     @property
-    def closes(self)->bool: "Does the micro-batch in progress close the window (step or drop)?"; return self.action is not None
+    def closes(self)->bool:
+        "Does the micro-batch in progress close the window (step or drop)?"; return self.action is not None
     @property
     def closed(self)->bool: return self.phase is Phase.CLOSED
     @property
-    def stepped(self)->bool: "Did this micro-batch's window reach its step, uncancelled?"; return self.phase is Phase.STEPPING
+    def stepped(self)->bool:
+        "Did this micro-batch's window reach its step, uncancelled?"; return self.phase is Phase.STEPPING
 
-    # -- hyper-parameters and DDP's no_sync, held for the window ------------------------------------------------------------
+    # -- hyper-parameters and DDP's no_sync, held for the window
+    # ------------------------------------------------------------
     def use_hypers(self, opt):
         "The step uses the window's first hyper-parameters; the ones in force now are kept to be put back after it"
         if not self.hypers: return
@@ -187,8 +205,10 @@ class Window:
     def exit_no_sync(self):
         if self.no_sync is not None: ctx,self.no_sync = self.no_sync,None; exit_no_sync(ctx)
 
-    # -- undo (MicroBatching's retry after an out-of-memory error) ------------------------------------------------------
-    def snapshot(self)->dict: "What undoing the micro-batch in progress puts back"; return {k: getattr(self, k) for k in self._UNDO}
+    # -- undo (MicroBatching's retry after an out-of-memory error)
+    # ------------------------------------------------------
+    def snapshot(self)->dict:
+        "What undoing the micro-batch in progress puts back"; return {k: getattr(self, k) for k in self._UNDO}
     def restore(self, state:dict):
         for k,v in state.items(): setattr(self, k, v)
 
@@ -196,6 +216,8 @@ class Window:
                                 f"target={self.target}, action={self.action!r}, phase={self.phase.name})")
 
 # a window's state (`Window.state_dict`), field by field: what `load_state_dict` accepts
-_FIELDS = dict(n_micro=int, n_samples=int, n_units=int, items=_NUM, loss_sum=_NUM, ref=(_NONE, *_NUM), hypers=(_NONE, list),
-               target=(_NONE, int, float), unit_action=(_NONE, str), summed=(bool,), bs=(_NONE, int), action=(_NONE, str),
+_FIELDS = dict(n_micro=int, n_samples=int, n_units=int, items=_NUM, loss_sum=_NUM, ref=(_NONE, *_NUM),
+               hypers=(_NONE, list),
+               target=(_NONE, int, float), unit_action=(_NONE, str), summed=(bool,), bs=(_NONE, int),
+               action=(_NONE, str),
                phase=(Phase,), n=(_NONE, *_NUM), pending=(_NONE, *_NUM), record=(_NONE, StepRecord))
