@@ -221,7 +221,8 @@ def _load(self, file, device=None, with_opt=True, strict=True, **kwargs):
     except pickle.UnpicklingError:
         raise ValueError(f"learn.load: {file} holds objects that a file read without running code cannot hold (saved "
                          "by accum_callback before 0.3.0, or not by `learn.save`); if you trust it, read it with "
-                         "`torch.load(file, weights_only=False)` on one process and save it again with `learn.save`") from None
+                         "`torch.load(file, weights_only=False)` on one process and save it again with "
+                         "`learn.save`") from None
     has_opt = set(state) == {'model', 'opt'}
     set_model_state_dict(self.model, state['model'] if has_opt else state,
                          options=StateDictOptions(full_state_dict=True, strict=strict))

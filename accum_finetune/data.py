@@ -66,7 +66,8 @@ def digits_dls(bs:int, classes=DIGITS_FINETUNE, size:int=32, valid_pct:float=0.2
     valid = DataLoader(DigitsDataset(x[va], y[va]), bs=valid_bs)
     dls = DataLoaders(train, valid, device=device)
     dls.vocab,dls.c = [str(c) for c in classes],len(classes)
-    dls.source = f"embedded digits {classes[0]}-{classes[-1]} (scikit-learn, 8x8 upscaled to {size}x{size}" + (", augmented)" if augment else ")")
+    dls.source = (f"embedded digits {classes[0]}-{classes[-1]} (scikit-learn, 8x8 upscaled to {size}x{size}"
+                  + (", augmented)" if augment else ")"))
     return dls
 
 SPLIT_DIRS = ('train', 'valid')   # fastai's `from_folder` defaults

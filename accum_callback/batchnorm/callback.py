@@ -12,7 +12,8 @@ from ..compat.torch import is_compiled
 from ..micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
-from ..core.protocols import CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.protocols import (CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference,
+                              one_per_learner, refuse_at_fit_start, remove_fit_guard)
 from .modes import BN_MODES, BN_OPTIONS, Freeze, Groups, Renorm
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
 from .window_stats import WINDOW_MODES, WindowMode

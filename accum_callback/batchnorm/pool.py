@@ -39,7 +39,8 @@ def pooled_mean_var(
     spread of the group means. Exactly the statistics one batch of all the items gives, up to rounding.
 
     >>> x = torch.arange(10.).double(); a,b = x[:4],x[4:]
-    >>> m,v = pooled_mean_var(torch.tensor([[4.],[6.]]).double(), torch.stack([a.mean(), b.mean()])[:,None], torch.stack([a.var(), b.var()])[:,None])
+    >>> m,v = pooled_mean_var(torch.tensor([[4.],[6.]]).double(), torch.stack([a.mean(), b.mean()])[:,None],
+    ...                       torch.stack([a.var(), b.var()])[:,None])
     >>> (m.item(), round(v.item(), 10)) == (x.mean().item(), round(x.var().item(), 10))
     True
     """
@@ -178,7 +179,8 @@ class PooledStats:
         "Put back the buffers of a forward that raised between the two hooks"
         for l,s in enumerate(self.stash):
             if s is not None:
-                b = module_dicts(self.bns[l])[0]; b['running_mean'],b['running_var'],b['num_batches_tracked'] = s; self.stash[l] = None
+                b = module_dicts(self.bns[l])[0]
+                b['running_mean'],b['running_var'],b['num_batches_tracked'] = s; self.stash[l] = None
 
     @torch.no_grad()
     def close(self, stepped:bool):

@@ -154,7 +154,8 @@ class Replay:
 
     def _ctx(self, m):
         dev = model_device(m).type
-        return torch.autocast(dev, dtype=self.autocast) if self.autocast is not None else torch.autocast(dev, enabled=False)
+        return (torch.autocast(dev, dtype=self.autocast) if self.autocast is not None
+                else torch.autocast(dev, enabled=False))
 
     def forward(self, m, xb, yb):
         """(prediction, loss) as the Learner's training step computes them: the model's output through the callbacks'

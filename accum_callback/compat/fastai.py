@@ -5,8 +5,9 @@ torch's), each found by what this fastai has, with a clear refusal naming the fa
 - `Learner._with_events(f, event_type, ex, final)`: fastai runs each event pair through it and looks it up for every
   epoch after `before_fit`; the fit's clean-up guard (`protocols.FitGuard`) wraps it on the instance for one fit.
 - `Recorder._train_mets`: the running training metrics (smooth loss, ...) a checkpoint saves mid-epoch.
-- `DataLoader.fake_l` (a `fastai.data.load._FakeLoader`): the torch loader behind a fastai loader, whose `generator` seeds its iterator (a resumed pass
-  draws that seed from a generator of its own), and which a copied loader needs its own of (`copy_loader`)."""
+- `DataLoader.fake_l` (a `fastai.data.load._FakeLoader`): the torch loader behind a fastai loader, whose `generator`
+  seeds its iterator (a resumed pass draws that seed from a generator of its own), and which a copied loader needs its
+  own of (`copy_loader`)."""
 from __future__ import annotations
 from fastai.learner import Learner
 

@@ -10,7 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from .args import flag
-from ..compat.torch import TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups, held_unsharded_grad
+from ..compat.torch import (TORCH, clear_held_grads, foreach, fsdp_grads_reachable, fsdp_param_groups,
+                            held_unsharded_grad)
 
 __all__ = ['SyncPolicy', 'FSDPOptions', 'is_ddp', 'is_fsdp', 'is_distributed', 'unwrap', 'world_size', 'process_rank',
            'process_count', 'enter_no_sync', 'sum_over_ranks', 'reduce_floats',

@@ -150,7 +150,7 @@ def own_loader(learn, shuffle:bool=False, seed:int=0, drop_last:bool|None=None):
     inner = dl.__dict__.get('dl')
     if inner is not None and inner is getattr(learn.dls.train, '__dict__', {}).get('dl'):
         # a copy of fastai's `DistributedDL` shares the loader it wraps, whose RNG draws each epoch's order: the copy
-        # draws from one of its own, so that the training order is left as it was (issue 63: `precise` moved it)
+        # draws from one of its own, so that the training order is left as it was (`precise` moved it)
         dl.dl = copy_loader(inner)
         if hasattr(dl.dl, 'rng'): dl.dl.rng = random.Random(seed)
     return dl

@@ -188,7 +188,8 @@ def counting_note(learn, n_items=None)->str|None:
         if labels is not None and _RULES.get(learn.model, 'rows') is not None: return None
         what = ("the model computes its own loss (the output's `loss`) and its count could not be told from its "
                 "`labels` and `logits`" if labels is not None else
-                "the model computes its own loss (the output's `loss`) from labels not given in a dict input's `labels`")
+                "the model computes its own loss (the output's `loss`) from labels not given in a dict input's "
+                "`labels`")
     else:
         if not any(isinstance(t, torch.Tensor) and not t.is_floating_point() and bool((t == IGNORE_INDEX).any())
                    for t in learn.yb):

@@ -12,7 +12,8 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..core.protocols import CANCELS, ResumeSignature, Listeners, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard, window_owner
+from ..core.protocols import (CANCELS, ResumeSignature, Listeners, add_fit_guard, in_inference, one_per_learner,
+                              refuse_at_fit_start, remove_fit_guard, window_owner)
 from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -196,8 +197,7 @@ class MicroBatching(Callback, ResumeSignature):
     def after_batch(self):
         """Progress counts loader batches, as without micro-batches (schedules see the same). After a loader batch's
         last piece (never retried once here: an out-of-memory error skips `after_batch`) the model carries the whole
-        batch's rows again, before a checkpoint (order 95) saves them (it saved the last piece's rows: issue 61, item
-        8)"""
+        batch's rows again, before a checkpoint (order 95) saves them (it saved the last piece's rows)"""
         piece = self.piece
         if piece is not None and piece.last_piece and self.rows.n is not None: self.rows.end()
         p = self.loader.progress() if self.loader is not None else None

@@ -44,7 +44,8 @@ def _flat(state)->tuple[list,object]:
     "The tensors of a batch state (a tensor, or tuples/lists of them) and how to put them back together"
     leaves,spec = tree_flatten(state)
     if not all(isinstance(t, torch.Tensor) for t in leaves):
-        raise TypeError("a batch state must be a tensor or tuples/lists of tensors, got " + ', '.join(sorted({type(t).__name__ for t in leaves})))
+        raise TypeError("a batch state must be a tensor or tuples/lists of tensors, got "
+                        + ', '.join(sorted({type(t).__name__ for t in leaves})))
     return leaves,spec
 
 def _unflat(leaves, spec):

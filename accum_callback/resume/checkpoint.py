@@ -20,12 +20,15 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
 
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
-from ..core.protocols import CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start, remove_fit_guard, window_owner
+from ..core.protocols import (CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start,
+                              remove_fit_guard, window_owner)
 from ..core.loaders import ReadAhead, can_skip, feed_of, inner_loader, is_last_batch, piece_of
 # _MAGIC, read_...)
-from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state, read_checkpoint, write_checkpoint)
+from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state,
+                     read_checkpoint, write_checkpoint)
 from .fit_place import FitPlace
-from .fit_state import apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments, fit_signature, training_state
+from .fit_state import (apply_training_state, refuse_changes, callback_states, check_fit_state, fit_arguments,
+                        fit_signature, training_state)
 from .world_size import elastic_state, is_elastic, loader_signature, save_waits, source_rank
 from .sharded import load_sharded, read_whole, remove_sharded, sharded_state, writes_sharded
 from ..core.files import Background, serials, keep_copy, new_file_perms, remove_old, remove_stale_parts, writable_folder
@@ -37,8 +40,8 @@ __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint
 
 # a run of the same data and arguments (another seed) resumes a checkpoint in its folder as a re-run would: said with
 # the fix
-_OWN_RUN = ("a run of its own (another seed, a sweep) needs a folder of its own: Checkpoint(f'checkpoints/seed{seed}'); "
-            "Checkpoint(resume=False) trains it again here")
+_OWN_RUN = ("a run of its own (another seed, a sweep) needs a folder of its own: "
+            "Checkpoint(f'checkpoints/seed{seed}'); Checkpoint(resume=False) trains it again here")
 
 class Checkpoint(Callback):
     """Save the fit as `every` says (`'1ep'`: each epoch's end; `'3ba'`: every 3 loader batches, mid-window; `'30min'`;

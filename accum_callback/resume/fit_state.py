@@ -128,7 +128,7 @@ def settle_loaders(dls):
     """What a loader computes once, lazily, done now: fastai's `TfmdDL` runs one pass of its transforms the first time its
     `n_inp` is read (the first batch's `Learner._split`), and random transforms in that pass draw from the global RNGs. The
     uninterrupted run drew them at its first batch, before any checkpoint: a resumed one must draw them before the RNGs
-    are put back, not at its first batch after (they shifted every later draw; issue 61)"""
+    are put back, not at its first batch after (they shifted every later draw)"""
     for dl in getattr(dls, 'loaders', None) or []:
         try: getattr(dl, 'n_inp', None)
         except Exception: pass   # (a loader that cannot make an item without data: it computes nothing lazily either)

@@ -93,7 +93,8 @@ def _unpack(o:dict)->tuple:
     out = []
     for code,off,nd,*dims in index.tolist():
         flat,shape = data.get(_PACKED_NAMES[code]) if 0 <= code < len(_PACKED) else None,dims[:nd]
-        if flat is None or not 0 <= nd <= len(dims) or min(shape, default=0) < 0 or off < 0 or (end := off + math.prod(shape)) > len(flat):
+        if (flat is None or not 0 <= nd <= len(dims) or min(shape, default=0) < 0 or off < 0
+            or (end := off + math.prod(shape)) > len(flat)):
             raise CheckpointError(f"a checkpoint's pack index has a malformed row {[code, off, nd, *dims]} (a shape or "
                                   "place outside its data)")
         out.append(flat[off:end].view(shape).clone())   # (a tensor of its own: torch's RNG takes a view's
@@ -102,7 +103,8 @@ def _unpack(o:dict)->tuple:
 
 def _copied(v, copy:bool, small):
     "A tensor as written: into the pack (`small`, a list) where it is small, else itself (copied: `copy`)"
-    if small is not None and v.device.type == 'cpu' and v.dtype in _PACKED and v.nbytes <= _PACK_BYTES and v.is_contiguous():
+    if (small is not None and v.device.type == 'cpu' and v.dtype in _PACKED and v.nbytes <= _PACK_BYTES
+        and v.is_contiguous()):
         small.append(v); return {_TAG: 'packed', 'i': len(small) - 1}
     return v.clone() if copy else v
 

@@ -1,5 +1,5 @@
 """A checkpoint's model and optimizer state through `torch.distributed.checkpoint` (DCP), for a `global_window` run
-under FSDP2 (issue 54): each rank writes its own shards, and a resumed run reads the slices its own layout needs, on
+under FSDP2: each rank writes its own shards, and a resumed run reads the slices its own layout needs, on
 any number of processes (on one: whole tensors, no process group). Everything else (the place, the RNGs, the
 callbacks) stays in the rank files `Checkpoint` writes; they hold this folder's name and, in rank 0's, the length and
 CRC-32 of each of its files (checked before it is read: a cut or damaged folder is passed over like a damaged file).

@@ -1,4 +1,4 @@
-"""Resuming a `global_window` run on another number of processes (issue 54). Such a run's windows hold the same
+"""Resuming a `global_window` run on another number of processes. Such a run's windows hold the same
 samples on any number of processes (`global_window`), and at a window's end a DDP replica holds all a rank needs: the
 weights and the optimizer's state are every rank's, the window is empty, and the epoch's place is a count of windows.
 So every rank reads rank 0's checkpoint file and counts that place again in its own loader batches. Under FSDP2 the
@@ -113,10 +113,11 @@ def say_what_differs(learn, old:int, new:int):
     bns = [] if same else trained_bn_layers(learn.model, learn)
     if bns and process_rank() == 0:
         mode = getattr(policy, 'mode', None)
+        weights = 'nor the weights: Batch Renorm corrects with them' if mode == 'renorm' else 'the weights are'
         warnings.warn(f"Checkpoint: resumed on {new} process(es) from {old}: {len(bns)} BatchNorm layer(s) update "
                       f"their running statistics on each rank's micro-batches (mode {mode!r}), so those statistics are "
-                      "not the uninterrupted run's "
-                      f"({'nor the weights: Batch Renorm corrects with them' if mode == 'renorm' else 'the weights are'}; 'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=2)
+                      f"not the uninterrupted run's ({weights}; "
+                      f"'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=2)
     learn.add_cb(RankDraws(old, new))
 
 class RankDraws(Callback):
@@ -132,8 +133,9 @@ class RankDraws(Callback):
         if self.last is None or _same(self.last, rng_states()): return
         if process_rank() == 0:
             warnings.warn(f"Checkpoint: resumed on {self.new} process(es) from {self.old}: training draws random "
-                          "numbers (dropout, random transforms), which each rank draws for its own micro-batches, so this is not "
-                          f"the uninterrupted run (the samples of each window are): {_MEASURED}", stacklevel=2)
+                          "numbers (dropout, random transforms), which each rank draws for its own micro-batches, so "
+                          f"this is not the uninterrupted run (the samples of each window are): {_MEASURED}",
+                          stacklevel=2)
         self.learn.remove_cb(self)
     def after_batch(self): self.last = rng_states()
     def after_fit(self):
@@ -141,5 +143,7 @@ class RankDraws(Callback):
 
 def _same(a, b)->bool:
     import torch
-    eq = lambda x, y: torch.equal(x, y) if isinstance(x, torch.Tensor) else all(map(eq, x, y)) if isinstance(x, (list, tuple)) else bool((x == y).all()) if hasattr(x, 'all') else x == y
+    eq = lambda x, y: (torch.equal(x, y) if isinstance(x, torch.Tensor)
+                       else all(map(eq, x, y)) if isinstance(x, (list, tuple))
+                       else bool((x == y).all()) if hasattr(x, 'all') else x == y)
     return all(map(eq, a, b))

@@ -268,10 +268,12 @@ def refuse_unreduced_loss(loss_func):
     "A loss with `reduction='none'` gives one loss per item: fastai's backward needs one number (the mean, or a sum)"
     # (fastai's `CrossEntropyLossFlat` and other `BaseLoss` hold torch's loss there)
     f = getattr(loss_func, 'func', loss_func)
-    if getattr(loss_func, 'reduction', None) == 'none' or (isinstance(f, nn.Module) and getattr(f, 'reduction', None) == 'none'):
-        raise ValueError(f"loss_func {type(loss_func).__name__}(reduction='none') gives a loss per item, and fastai's backward "
-                         "needs one number: give the Learner the default reduction='mean' (e.g. nn.CrossEntropyLoss()), or "
-                         "reduce it yourself: loss_func=lambda out, *y: loss(out, *y).mean()")
+    if getattr(loss_func, 'reduction', None) == 'none' or (isinstance(f, nn.Module)
+                                                           and getattr(f, 'reduction', None) == 'none'):
+        raise ValueError(f"loss_func {type(loss_func).__name__}(reduction='none') gives a loss per item, and fastai's "
+                         "backward needs one number: give the Learner the default reduction='mean' (e.g. "
+                         "nn.CrossEntropyLoss()), or reduce it yourself: loss_func=lambda out, *y: "
+                         "loss(out, *y).mean()")
 
 def one_value_hooks(learn)->list:
     """Forward pre-hooks on the model's BatchNorm layers, put on at the fit's first micro-batch of 1 item and kept to
@@ -285,18 +287,20 @@ def one_value_hooks(learn)->list:
                 fix = "'freeze'" if x.dim() == 2 else "'groupnorm') (or 'freeze'"
                 src,more = one_item_source(learn)
                 raise ValueError(f"BatchNorm layer {name!r} gets 1 value per channel: a micro-batch of 1 item ({src}) "
-                                 f"cannot be normalised. Give cbs=BatchNormAccumulation({fix}), or micro-batches of 2 or "
-                                 f"more items ({more})")
+                                 f"cannot be normalised. Give cbs=BatchNormAccumulation({fix}), or micro-batches of 2 "
+                                 f"or more items ({more})")
         return hook
     if any(isinstance(cb, RunningStatsPolicy) and cb.window_normalises() for cb in learn.cbs): return []
-    return [m.register_forward_pre_hook(check(n)) for n,m in learn.model.named_modules() if isinstance(m, BatchNormBase)]
+    return [m.register_forward_pre_hook(check(n)) for n,
+            m in learn.model.named_modules() if isinstance(m, BatchNormBase)]
 
 def one_item_source(learn)->tuple[str,str]:
     "Where a micro-batch of 1 item comes from (the loader's `bs`, its last batch, `MicroBatching`'s cut), and its fix"
     mb,bs = micro_batching(learn),getattr(learn.dls.train, 'bs', None)
     if bs == 1: return "the loader's bs=1","the loader's bs=2 or more"
     if mb is not None and mb.piece is not None and mb.piece.batch_n > 1:
-        return f"{mb!r} cut a loader batch of {mb.piece.batch_n} items into pieces of 1","MicroBatching(2) or more: micro_bs=2"
+        return f"{mb!r} cut a loader batch of {mb.piece.batch_n} items into pieces of 1",("MicroBatching(2) or more: "
+                                                                                          "micro_bs=2")
     return (f"the epoch's last batch: the loader's bs={bs} with drop_last=False leaves 1 item",
             "the training loader's drop_last=True, or a bs that leaves 2 or more")
 

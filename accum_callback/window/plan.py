@@ -20,8 +20,8 @@ class WindowPlan:
         self.n_step,self.target_bs,self.partial = window_arguments(n_step, target_bs, partial)
         self.global_window = flag(global_window, 'global_window')
         if global_window and (self.target_bs is None or self.target_bs.constant is None):
-            raise ValueError("GradientAccumulation(global_window=True) keeps a window of `target_bs` samples over all ranks: "
-                             f"give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r})")
+            raise ValueError("GradientAccumulation(global_window=True) keeps a window of `target_bs` samples over all "
+                             f"ranks: give target_bs as a number (got n_step={n_step!r}, target_bs={target_bs!r})")
         if global_window and self.partial == 'carry':   # its grid restarts each epoch, one process's does not
             raise ValueError("GradientAccumulation(global_window=True, partial='carry'): a window carried into the "
                              "next epoch is not cut alike on another number of processes; give partial='step' (the "

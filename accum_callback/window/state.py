@@ -26,7 +26,7 @@ A micro-batch's phase (`Phase`), set by `GradientAccumulation`'s events:
 | CLOSED    | `close` (the window stepped, was dropped/skipped) | only bookkeeping is left for this micro-batch            |
 
 `action`, decided at the micro-batch's start, is what it does to the window: 'step' or 'drop' it (the micro-batch
-closes it) or None (the window stays open)."""
+closes it) or None (the window stays open)."""   # noqa: E501 (the phase table's rows)
 from __future__ import annotations
 import enum, math
 from typing import NamedTuple
@@ -141,7 +141,8 @@ class Window:
         non-finite loss steps (the user asked for it); a window of no item never does
 
         >>> w = Window(); w.action = 'step'
-        >>> w.verdict(8, 3.5), w.verdict(0, 0.), w.verdict(8, float('nan')), w.verdict(8, float('nan'), skip_nonfinite=False)
+        >>> (w.verdict(8, 3.5), w.verdict(0, 0.), w.verdict(8, float('nan')),
+        ...  w.verdict(8, float('nan'), skip_nonfinite=False))
         ('step', 'skip', 'skip', 'step')
         """
         if self.action == 'drop': return 'drop'
