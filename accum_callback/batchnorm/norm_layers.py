@@ -121,10 +121,8 @@ class BatchRenorm(BatchNormBase):
         ramp:int=5000, # training forwards over which r_max, d_max then grow linearly to their values
         device=None, dtype=None):
         num_features = whole_number(num_features, 'num_features', lo=0)   # 0: fastai's collab net has such a BatchNorm
-        r_max,d_max,warmup,ramp = _real(r_max, 'r_max',
-                                        1.),_real(d_max, 'd_max',
-                                                  0.),whole_number(warmup, 'warmup',
-                                                                   lo=0),whole_number(ramp, 'ramp', lo=0)
+        r_max,d_max = _real(r_max, 'r_max', 1.),_real(d_max, 'd_max', 0.)
+        warmup,ramp = whole_number(warmup, 'warmup', lo=0),whole_number(ramp, 'ramp', lo=0)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.r_max,self.d_max,self.warmup,self.ramp = r_max,d_max,warmup,ramp
         self.renorm_steps = 0   # training forwards since creation: drives the ramp (not in the state dict)
