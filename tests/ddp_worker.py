@@ -447,10 +447,10 @@ def bn_window_ranks(rank, world_size, scenarios):
             cut = False
             if 'cut' in kw:
                 d,at = kw['cut']
-                try: fit(Checkpoint(f'{d}/ck', batches=1), RaiseAt(at))
+                try: fit(Checkpoint(f'{d}/ck', every=('1ep', '1ba')), RaiseAt(at))
                 except Boom: cut = True
                 dist.barrier()
-                learn,spy = fit(Checkpoint(f'{d}/ck', batches=1))
+                learn,spy = fit(Checkpoint(f'{d}/ck', every=('1ep', '1ba')))
             else: learn,spy = fit()
             m = learn.model.module
             stats = {k: v.clone() for k,v in m.state_dict().items() if 'running' in k or 'num_batches' in k}
