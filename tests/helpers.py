@@ -37,6 +37,13 @@ class Float64Smoothing(Callback):
     order = 51   # after `Recorder.before_fit` resets its smoother
     def before_fit(self): self.learn.recorder.smooth_loss.val = self.learn.recorder.smooth_loss.val.double()
 
+class SmoothingInLossDtype(Callback):
+    "The Recorder's loss smoothing in the loss's dtype (float64 from a float64 loss, float32 from fastai's flat losses)"
+    order = 49   # before the Recorder's `after_batch`
+    def after_batch(self):
+        sl = self.learn.recorder.smooth_loss
+        sl.val = sl.val.to(self.learn.loss.dtype)
+
 def make_learner(ds, bs, cbs=None, loss_func=F.mse_loss, opt_func=SGD, lr=0.1, seed=0, model=None, dtype=None, **kw):
     """A Learner on `ds` (an MLP unless `model`). `dtype=torch.float64` casts the data and model: the exactness property
     tests use it, so that a 1e-6 tolerance measures the accumulation, not float32 rounding (which reached 1.03e-6 on a

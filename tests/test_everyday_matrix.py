@@ -22,7 +22,7 @@ from fastai.vision.all import ImageDataLoaders
 from PIL import Image
 
 from accum_callback import BatchNormAccumulation, Checkpoint, GradientAccumulation, MicroBatching
-from helpers import as64, flat, floor_tol, rel_err
+from helpers import Float64Batches, SmoothingInLossDtype, as64, flat, floor_tol, rel_err
 from test_resume import Boom, RaiseAt
 from test_resume_optimizers import _opt_tensors
 
@@ -84,23 +84,11 @@ def learner(data, folder, loss, opt, bs, cbs=(), bn=False, dtype=None):
     multi = loss == 'BCEWithLogitsLossFlat'
     model = make_model(data, bn, n_out(data, loss))
     cbs = list(cbs)
-    if dtype == torch.float64: model = model.double(); cbs += [ToDouble(), SmoothingDtype()]
+    if dtype == torch.float64: model = model.double(); cbs += [Float64Batches(), SmoothingInLossDtype()]
     learn = Learner(make_dls(data, folder, bs, multi), model, loss_func=LOSSES[loss], opt_func=OPTS[opt], lr=1e-2,
                     splitter=split_head, cbs=cbs)
     learn.recorder.train_metrics = False
     return learn
-
-class ToDouble(Callback):
-    "The batch in float64, for the float64 reference of the big fit"
-    order = -10
-    def before_batch(self): self.learn.xb,self.learn.yb = as64(self.xb),as64(self.yb)
-
-class SmoothingDtype(Callback):
-    "The Recorder's loss smoothing in the loss's dtype (fastai's flat losses return float32 on float64 inputs)"
-    order = 49   # before the Recorder's `after_batch`
-    def after_batch(self):
-        sl = self.learn.recorder.smooth_loss
-        sl.val = sl.val.to(self.learn.loss.dtype)
 
 def train(learn, tool):
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():

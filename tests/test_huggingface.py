@@ -16,7 +16,7 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.optimizer import SGD
 
 from accum_callback import Checkpoint, GradientAccumulation, GradientNoiseScale, MicroBatching
-from helpers import accumulation
+from helpers import SmoothingInLossDtype, accumulation
 
 T = pytest.importorskip('transformers')
 V,IGNORE = 40,-100
@@ -81,13 +81,6 @@ class LabelsInTuple(nn.Module):
 
 def own_loss(out, *y): return out.loss
 
-class Smoothing(Callback):
-    "Let the Recorder's loss smoothing take the loss's dtype (float64 from BERT's own loss, float32 from a causal LM's)"
-    order = 49   # before the Recorder's `after_batch`
-    def after_batch(self):
-        sl = self.learn.recorder.smooth_loss
-        sl.val = sl.val.to(self.learn.loss.dtype)
-
 def learner(kind, setup='dict_own', bs=4, cbs=(), n=16, dtype=torch.float64, dropout=0., shuffle=False, learnable=False, lr=0.1):
     """`setup`: 'dict_own' (dict inputs, the model's own loss), 'dict_ce' / 'tuple_ce' (CrossEntropyLossFlat on the
     logits), 'tuple_own' (labels as a plain argument, the model's own loss)"""
@@ -99,7 +92,7 @@ def learner(kind, setup='dict_own', bs=4, cbs=(), n=16, dtype=torch.float64, dro
     dls.n_inp = 1 if inp == 'dict' else 2 + (setup == 'tuple_own' or kind == 't5')
     hf = hf_model(kind, dropout).to(dtype)
     model = OwnLoss(hf) if setup == 'dict_own' else LabelsInTuple(hf) if setup == 'tuple_own' else Logits(hf)
-    cbs = list(cbs) + [Smoothing()]
+    cbs = list(cbs) + [SmoothingInLossDtype()]
     learn = Learner(dls, model, loss_func=own_loss if loss == 'own' else CrossEntropyLossFlat(ignore_index=IGNORE),
                     opt_func=SGD, lr=lr, cbs=cbs)
     learn.recorder.train_metrics = False
