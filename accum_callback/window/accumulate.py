@@ -291,16 +291,16 @@ def one_value_hooks(learn)->list:
                                  f"or more items ({more})")
         return hook
     if any(isinstance(cb, RunningStatsPolicy) and cb.window_normalises() for cb in learn.cbs): return []
-    return [m.register_forward_pre_hook(check(n)) for n,
-            m in learn.model.named_modules() if isinstance(m, BatchNormBase)]
+    bns = [(n, m) for n,m in learn.model.named_modules() if isinstance(m, BatchNormBase)]
+    return [m.register_forward_pre_hook(check(n)) for n,m in bns]
 
 def one_item_source(learn)->tuple[str,str]:
     "Where a micro-batch of 1 item comes from (the loader's `bs`, its last batch, `MicroBatching`'s cut), and its fix"
     mb,bs = micro_batching(learn),getattr(learn.dls.train, 'bs', None)
     if bs == 1: return "the loader's bs=1","the loader's bs=2 or more"
     if mb is not None and mb.piece is not None and mb.piece.batch_n > 1:
-        return f"{mb!r} cut a loader batch of {mb.piece.batch_n} items into pieces of 1",("MicroBatching(2) or more: "
-                                                                                          "micro_bs=2")
+        cut = f"{mb!r} cut a loader batch of {mb.piece.batch_n} items into pieces of 1"
+        return cut,"MicroBatching(2) or more: micro_bs=2"
     return (f"the epoch's last batch: the loader's bs={bs} with drop_last=False leaves 1 item",
             "the training loader's drop_last=True, or a bs that leaves 2 or more")
 
