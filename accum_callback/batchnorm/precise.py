@@ -222,8 +222,8 @@ def training_items(learn, n:int, size:int|None=None, seed:int=0, world:int|None=
 def _inputs(learn, b)->tuple:
     "A batch's inputs (the loaders' `n_inp` first parts) as a tuple"
     n_inp = getattr(learn.dls, 'n_inp', 1)
-    return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) and len(b) > 1 else (b[0] if isinstance(b, (tuple, list))
-                                                                                 else b,)
+    if not isinstance(b, (tuple, list)): return (b,)
+    return tuple(b[:n_inp]) if len(b) > 1 else (b[0],)
 
 def _first_items(pieces, learn, n:int):
     "The inputs of `loader_pieces`'s pieces up to the first that reaches `n` items"

@@ -100,8 +100,8 @@ class FSDPOptions:
     sharded_grads: bool = False
     gathered_params: bool = False
     def __post_init__(self):
-        self.sharded_grads,self.gathered_params = flag(self.sharded_grads, 'sharded_grads'),flag(self.gathered_params,
-                                                                                                 'gathered_params')
+        self.sharded_grads = flag(self.sharded_grads, 'sharded_grads')
+        self.gathered_params = flag(self.gathered_params, 'gathered_params')
 
 class SyncPolicy:
     """How a window's gradients meet over the ranks (docs/distributed.md): a micro-batch that does not step accumulates

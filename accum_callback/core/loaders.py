@@ -19,8 +19,8 @@ def batch_sizes(dl)->list:
     `DistributedDL` counts what each rank really reads (its `len` is the whole loader's over the world, often one
     more)"""
     inner,world = getattr(dl, 'dl', None),getattr(dl, 'world_size', None)
-    if type(dl).__name__ == 'DistributedDL' and getattr(inner, 'n',
-                                                        None) is not None and world and getattr(dl, 'bs', None):
+    if (type(dl).__name__ == 'DistributedDL' and getattr(inner, 'n', None) is not None and world
+            and getattr(dl, 'bs', None)):
         n,bs = math.ceil(inner.n/world),dl.bs   # every rank reads the padded share of the set
         nb = n//bs if dl.drop_last else math.ceil(n/bs)
     else: n,bs,nb = getattr(dl, 'n', None),getattr(dl, 'bs', None),len(dl)

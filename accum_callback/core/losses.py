@@ -88,9 +88,8 @@ def model_loss(pred):
 def _is_own(pred, loss)->bool:
     "Is `loss` the model's own (the loss function returned the output's `loss`, as `lambda out, *y: out.loss` does)?"
     l = model_loss(pred)
-    return l is not None and isinstance(loss, torch.Tensor) and (loss is l
-                                                                 or (loss.ndim == 0
-                                                                     and loss.data_ptr() == l.data_ptr()))
+    if l is None or not isinstance(loss, torch.Tensor): return False
+    return loss is l or (loss.ndim == 0 and loss.data_ptr() == l.data_ptr())
 
 def _labels(xb):
     "The `labels` the model was given: a dict input's (Hugging Face's, blurr's batches), or None"

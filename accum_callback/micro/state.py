@@ -22,8 +22,8 @@ def _computed_tensors(model:nn.Module, depth:int=3):
             for t in tree_flatten(d)[0]:
                 if isinstance(t, torch.Tensor):
                     if not t.is_leaf: yield t
-                elif not isinstance(t, (nn.Module, type)) and isinstance(getattr(t, '__dict__', None),
-                                                                         dict) and id(t) not in seen:
+                elif (not isinstance(t, (nn.Module, type)) and isinstance(getattr(t, '__dict__', None), dict)
+                      and id(t) not in seen):
                     seen.add(id(t)); nxt.append(vars(t))
         level = nxt
 
