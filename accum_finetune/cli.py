@@ -171,13 +171,16 @@ def _image_cache()->Path:
     return cache_dir()/'images'
 
 def export(learn, fname, cached:bool=False):
-    """`learn.export` for fastai's `load_learner(fname).predict(image_file)`: with cached data, the Learner keeps an
-    inference pipeline from image files instead (decode, resize, normalise: `cache.inference_dls`)"""
-    if not cached: return learn.export(fname)
-    from .cache import inference_dls
+    """`learn.export` for fastai's `load_learner(fname).predict(image_file)`, without our callbacks (training's: the
+    file loads where accum_callback is not installed): with cached data, the Learner keeps an inference pipeline from
+    image files instead (decode, resize, normalise: `cache.inference_dls`)"""
+    from accum_callback.core.protocols import is_ours
     dls = learn.dls
-    learn.dls = inference_dls(*dls.inference)
-    try: learn.export(fname)
+    if cached:
+        from .cache import inference_dls
+        learn.dls = inference_dls(*dls.inference)
+    try:
+        with learn.removed_cbs([cb for cb in learn.cbs if is_ours(cb)]): learn.export(fname)
     finally: learn.dls = dls
 
 def _run(args)->int:

@@ -127,9 +127,11 @@ except Exception as e: print('FAILED', type(e).__name__); raise SystemExit(0)
 print('LOADED', repr(learn.predict(sys.argv[2])[0]), 'accum_callback' in sys.modules)
 """
 
-def test_an_exported_learner_loads_without_the_package_once_ours_are_removed(tmp_path):
-    "What the README says: ours pickled with the Learner need the package where it loads; removed before export, none"
-    import subprocess, sys
+def test_an_exported_learner_with_ours_says_so_and_the_fix_loads_without_the_package(tmp_path):
+    """`learn.export` with ours on the Learner says in one line that the file needs the package where it loads (where it
+    is missing fastai answers UnboundLocalError) and gives the fix, which loads and predicts without it; a deepcopy says
+    nothing"""
+    import copy, subprocess, sys
     from fastai.vision.all import ImageDataLoaders, Resize
     dls = ImageDataLoaders.from_folder(image_folder(tmp_path/'imgs'), bs=2, item_tfms=Resize(32), device='cpu', num_workers=0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
@@ -137,13 +139,40 @@ def test_an_exported_learner_loads_without_the_package_once_ours_are_removed(tmp
     fit_quietly(learn)
     load = lambda f: subprocess.run([sys.executable, '-c', BLOCKED_LOAD, str(tmp_path/f), str(tmp_path/'imgs'/'valid'/'dog'/'0.png')],
                                     capture_output=True, text=True, timeout=300)
-    learn.export('with_ours.pkl')
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        copy.deepcopy(learn)
+        learn.export('with_ours.pkl')
+    said = [str(w.message) for w in said if 'accum_callback' in str(w.message)]
+    fix = "with learn.removed_cbs([learn.gradient_accumulation, learn.batch_norm_accumulation]): learn.export()"
+    assert len(said) == 1 and 'load_learner needs accum_callback installed where it loads' in said[0] and fix in said[0], said
     assert load('with_ours.pkl').stdout.split() == ['FAILED', 'UnboundLocalError']   # fastai swallows the ImportError
-    learn.remove_cbs([learn.gradient_accumulation, learn.batch_norm_accumulation])
-    learn.export('without.pkl')
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        with learn.removed_cbs([learn.gradient_accumulation, learn.batch_norm_accumulation]): learn.export('without.pkl')
+    assert not [w for w in said if 'accum_callback' in str(w.message)]
+    assert learn.gradient_accumulation in learn.cbs and learn.batch_norm_accumulation in learn.cbs   # (put back after)
     res = load('without.pkl')
     assert 'LOADED' in res.stdout, res.stderr[-2000:]
     assert res.stdout[res.stdout.index('LOADED'):].split() == ['LOADED', repr(learn.predict(tmp_path/'imgs'/'valid'/'dog'/'0.png')[0]), 'False']
+
+def test_a_model_holding_our_layers_says_the_package_is_needed():
+    learn = learner([GradientAccumulation(n_step=2), BatchNormAccumulation('renorm')])
+    fit_quietly(learn)
+    with pytest.warns(UserWarning, match=r"its model holds accum_callback's BatchRenorm1d too: load it where accum_callback is installed"):
+        torch.save(learn, __import__('io').BytesIO())
+
+def test_fastai_accumulation_alone_is_said_as_the_learner_is_made():
+    "The name rebound by a star import after ours, with none of ours on the Learner: said by `Learner(...)`, at the user's line"
+    with pytest.warns(UserWarning, match=r"fastai's GradientAccumulation, not accum_callback's.*learn.accumulate\(n_acc=") as said:
+        learn = learner([FastaiGA(8)])
+    assert [w.filename for w in said if "fastai's Grad" in str(w.message)] == [__file__]
+    assert [type(cb).__name__ for cb in learn.cbs][-1] == 'GradientAccumulation' and isinstance(learn.cbs[-1], FastaiGA)
+    assert not any('accum_callback' in type(cb).__module__ for cb in learn.cbs)   # (the check left the Learner)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        learner([GradientAccumulation(n_step=2)]); learner([])
+    assert not [w for w in said if "fastai's GradientAccumulation" in str(w.message)]
 
 def test_fastai_callback_under_our_name_is_said_at_fit_start(tmp_path):
     "The star import's shadow: fastai's callback beside ours is said in one line; ours alone says nothing of it"

@@ -229,6 +229,7 @@ def test_the_packages_checkpoints_load_with_weights_only(tmp_path, meth):
         st = read_checkpoint(f)
         assert isinstance(st['rngs'][3][1], __import__('numpy').ndarray)   # numpy's RNG state made again as it was
 
+@pytest.mark.filterwarnings("ignore:The Learner is pickled")   # (said on purpose: tests/test_first_mistakes.py)
 def test_a_learner_with_a_checkpoint_exports_copies_and_pickles(tmp_path):
     "fastcore's `Stateful.__setstate__` sets `_state = {}` on an unpickled callback: the checkpoint's own names stay clear"
     import copy, pickle

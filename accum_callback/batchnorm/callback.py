@@ -12,7 +12,7 @@ from ..compat.torch import is_compiled
 from ..micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
-from ..core.protocols import (CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference,
+from ..core.protocols import (SaysPickled, CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference,
                               one_per_learner, refuse_at_fit_start, remove_fit_guard)
 from .modes import BN_MODES, BN_OPTIONS, Freeze, Groups, Renorm
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
@@ -188,7 +188,7 @@ def _mode_and_options(mode)->tuple:
 
 # -- the callback -----------------------------------------------------------------------------------------------------
 @one_per_learner("(Each would convert, freeze or pool the same layers.)")
-class BatchNormAccumulation(Callback, RunningStatsPolicy, ResumeSignature):
+class BatchNormAccumulation(SaysPickled, Callback, RunningStatsPolicy, ResumeSignature):
     """Make BatchNorm behave under gradient accumulation. `mode`: one of `BN_MODES`, or the options object of a mode
     that takes options (`Freeze`, `Groups`, `Renorm`: `BatchNormAccumulation('renorm')` is
     `BatchNormAccumulation(Renorm())`; `.mode` is the name, `.options` the object, None for a mode without options):

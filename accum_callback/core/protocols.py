@@ -2,8 +2,10 @@
 clean-up when an exception leaves `fit`, and telling a fit from inference"""
 from __future__ import annotations
 
+import copy, inspect, os, sys, warnings
 import torch.nn as nn
-from fastai.callback.core import CancelEpochException, CancelFitException
+from fastai.callback.core import Callback, CancelEpochException, CancelFitException
+from fastai.learner import defaults
 from fastai.callback.training import BnFreeze, GradientAccumulation as FastaiGradientAccumulation
 
 from ..compat.torch import BatchNormBase, compiled_with_cuda_graphs
@@ -13,7 +15,8 @@ from .distributed import check_fsdp
 __all__ = ['StopSignals', 'WindowOwner', 'window_owner', 'RunningStatsPolicy', 'ResumeSignature', 'resume_keys',
            'resume_signatures', 'bn_layers_with_stats', 'trained_bn_layers', 'FitGuard', 'add_fit_guard', 'fail_fit',
            'remove_fit_guard', 'in_inference', 'Listeners', 'one_per_learner', 'refuse_twins',
-           'refuse_at_fit_start', 'refuse_accumulation_conflicts', 'say_fastai_accumulation']
+           'refuse_at_fit_start', 'refuse_accumulation_conflicts', 'say_fastai_accumulation', 'FastaiAccumulationCheck',
+           'SaysPickled', 'is_ours', 'user_stacklevel']
 
 CANCELS = (CancelEpochException, CancelFitException)  # after these, fit still goes on to `after_fit`
 
@@ -217,18 +220,71 @@ def refuse_at_fit_start(learn):
     for cb in learn.cbs:   # fastai's `remove_cb` of a refused `fit(cbs=[twin])` deleted the name the two shared
         if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
 
-def say_fastai_accumulation(learn):
+def say_fastai_accumulation(learn, stacklevel:int|None=None):
     """fastai's `GradientAccumulation` where ours is not on the Learner: the name was fastai's when the callback was
     made (`from fastai.vision.all import *` after `from accum_callback import ...` rebinds it), said before it trains
-    inexactly by the first of our callbacks to start the fit (a `BatchNormAccumulation`, a `Checkpoint` beside it)"""
+    inexactly: as the Learner is made (`FastaiAccumulationCheck`), or by the first of our callbacks to start the fit"""
     if any(isinstance(cb, WindowOwner) for cb in learn.cbs): return   # (both: `refuse_accumulation_conflicts`)
     if any(isinstance(cb, FastaiGradientAccumulation) for cb in learn.cbs):
-        import warnings   # (said, not refused: fastai's callback beside our others may be meant)
-        warnings.warn("cbs holds fastai's GradientAccumulation, not accum_callback's (inexact): `from "
-                      "fastai.vision.all import *` after `from accum_callback import GradientAccumulation` rebinds the "
-                      "name to fastai's. Import accum_callback after fastai's star import, or call "
-                      "learn.accumulate(n_acc=...), which puts ours in its place",
-                      stacklevel=4)
+        warnings.warn(   # (said, not refused: fastai's callback may be meant)
+            "cbs holds fastai's GradientAccumulation, not accum_callback's (inexact): `from fastai.vision.all "
+            "import *` after `from accum_callback import GradientAccumulation` rebinds the name to fastai's. Import "
+            "accum_callback after fastai's star import, or call learn.accumulate(n_acc=...), which puts ours in its "
+            "place",
+            stacklevel=stacklevel or user_stacklevel())
+
+class FastaiAccumulationCheck(Callback):
+    """In fastai's `defaults.callbacks` once accum_callback is loaded (as fastai adds its `ProgressCallback`): each new
+    Learner made with fastai's `GradientAccumulation` and none of ours is said so, then this callback leaves it (never
+    pickled with it, never in `learn.cbs` after `Learner(...)` returns)"""
+    def after_create(self):
+        learn = self.learn
+        try:
+            if not any(is_ours(cb) for cb in learn.cbs if cb is not self): say_fastai_accumulation(learn)
+        finally: learn.remove_cb(self)
+
+if FastaiAccumulationCheck not in defaults.callbacks: defaults.callbacks.append(FastaiAccumulationCheck)
+
+def is_ours(obj)->bool: return type(obj).__module__.split('.')[0] == 'accum_callback'
+
+# where a line is not the user's: our package and the libraries it runs under
+_THEIRS = tuple(os.path.dirname(os.path.abspath(sys.modules[m].__file__)) + os.sep
+                for m in ('fastai', 'fastcore', 'torch', __name__.split('.')[0]))
+
+def user_stacklevel()->int:
+    """The `stacklevel` of a warning said from here that names the line of the user's code which led to it: the first
+    caller outside accum_callback, fastai, fastcore and torch"""
+    frame,level = inspect.currentframe().f_back,1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_THEIRS):
+        frame,level = frame.f_back,level+1
+    return level
+
+class SaysPickled:
+    """Our callbacks (the first on a Learner) say once where the Learner is pickled with them on it (`learn.export`,
+    `torch.save(learn)`): the file needs accum_callback where it loads, and fastai's `load_learner` without it answers
+    `UnboundLocalError`. A `deepcopy` in this process is not pickling: nothing said"""
+    def __getstate__(self):
+        learn = self.__dict__.get('learn')
+        if learn is not None and next((cb for cb in learn.cbs if isinstance(cb, SaysPickled)), None) is self:
+            say_pickled(learn)
+        return super().__getstate__()
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
+        return new
+
+def say_pickled(learn):
+    ours = ', '.join(f'learn.{cb.name}' for cb in learn.cbs if is_ours(cb))
+    model = learn.model if isinstance(learn.model, nn.Module) else nn.Module()
+    layers = sorted({type(m).__name__ for m in model.modules() if is_ours(m)})
+    fix = (f"its model holds accum_callback's {', '.join(layers)} too: load it where accum_callback is installed"
+           if layers else "to load it without accum_callback, export without ours: "
+                          f"`with learn.removed_cbs([{ours}]): learn.export()`")
+    warnings.warn(f"The Learner is pickled (learn.export) with accum_callback's callbacks on it: load_learner needs "
+                  f"accum_callback installed where it loads (without it fastai answers UnboundLocalError); {fix}",
+                  stacklevel=user_stacklevel())
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"

@@ -12,8 +12,8 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..core.protocols import (CANCELS, ResumeSignature, Listeners, add_fit_guard, in_inference, one_per_learner,
-                              refuse_at_fit_start, remove_fit_guard, window_owner)
+from ..core.protocols import (CANCELS, ResumeSignature, Listeners, SaysPickled, add_fit_guard, in_inference,
+                              one_per_learner, refuse_at_fit_start, remove_fit_guard, window_owner)
 from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -31,7 +31,7 @@ def check_micro_bs(micro_bs, name:str='micro_bs'):
         raise NotWholeNumber(f"`{name}` must be a whole number >= 1 or 'auto', got {micro_bs!r}") from None
 
 @one_per_learner("(`learn.accumulate(micro_bs=...)` replaces the one there.)")
-class MicroBatching(Callback, ResumeSignature):
+class MicroBatching(SaysPickled, Callback, ResumeSignature):
     """Cut every training batch into near-equal micro-batches of at most `size` items, or under `'auto'` of the largest
     size that fits (the loader's batch first, halved after each out-of-memory error, the same samples run again; on a
     GPU the next smaller size is timed once and the faster kept). Under 'auto' an inference batch whose forward or loss

@@ -23,7 +23,8 @@ from ..core.loaders import model_device
 from ..compat.torch import foreach, grad_scale, held_unsharded_grad, local_tensor
 from ..core.distributed import fsdp_params, is_distributed, is_fsdp
 from ..window.schedule import WindowSchedule
-from ..core.protocols import add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start, remove_fit_guard
+from ..core.protocols import (SaysPickled, add_fit_guard, in_inference, one_per_learner, refuse_at_fit_start,
+                              remove_fit_guard)
 from ..core.args import whole_number
 
 LR_RULES = (None, 'linear', 'sqrt', 'auto')
@@ -49,7 +50,7 @@ def sq_norm(ts:list)->torch.Tensor:
     return sum(torch.stack(ns).double().pow(2).sum() for ns in by.values())
 
 @one_per_learner("(Each would log the same measurements.)")
-class GradientNoiseScale(Callback):
+class GradientNoiseScale(SaysPickled, Callback):
     """Measure the gradient noise scale B_simple = tr(S)/|G|^2 at every optimizer step from what accumulation already
     has: the squared norm of the window's first micro-batch gradient and of the whole window's (unscaled from fp16's
     grad scaler; under DDP the micro-batch norm averaged over ranks, or with `global_window` rank 0's, which is one

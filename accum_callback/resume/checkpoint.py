@@ -20,7 +20,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
 
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
-from ..core.protocols import (CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start,
+from ..core.protocols import (SaysPickled, CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start,
                               remove_fit_guard, window_owner)
 from ..core.loaders import ReadAhead, can_skip, feed_of, inner_loader, is_last_batch, piece_of
 # _MAGIC, read_...)
@@ -43,7 +43,7 @@ __all__ = ['Checkpoint', 'CheckpointError', 'UnsafeCheckpoint', 'read_checkpoint
 _OWN_RUN = ("a run of its own (another seed, a sweep) needs a folder of its own: "
             "Checkpoint(f'checkpoints/seed{seed}'); Checkpoint(resume=False) trains it again here")
 
-class Checkpoint(Callback):
+class Checkpoint(SaysPickled, Callback):
     """Save the fit as `every` says (`'1ep'`: each epoch's end; `'3ba'`: every 3 loader batches, mid-window; `'30min'`;
     `'100st'` or 100: every 100 optimizer steps; a tuple: each, e.g. `('1ep', '30min')`; None: only on the signals) and
     when the process is asked to stop (SIGTERM, SIGINT: saved at the next micro-batch's end, then the fit stops:

@@ -12,7 +12,7 @@ from fastcore.basics import patch
 
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
 from ..compat.torch import BatchNormBase
-from ..core.protocols import (Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
+from ..core.protocols import (SaysPickled, Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
                                refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard,
                                RunningStatsPolicy)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
@@ -30,7 +30,7 @@ from .lr_find import WindowedLRFinder, lr_finder
 __all__ = ['GradientAccumulation', 'PARTIAL_MODES']
 
 @one_per_learner("(`learn.accumulate(...)` replaces the one there; `fit(cbs=...)` and `add_cb` add another.)")
-class GradientAccumulation(Callback, WindowOwner, ResumeSignature, WindowLog):
+class GradientAccumulation(SaysPickled, Callback, WindowOwner, ResumeSignature, WindowLog):
     """Accumulate gradients over micro-batches; each optimizer step applies exactly the mean gradient of its window.
     An adapter from fastai's events to the window (`state.Window`: the rule), its plan (`plan.WindowPlan`: size, clock,
     learning-rate gain), the ranks' sync (`core.distributed.SyncPolicy`) and its log (`log.WindowLog`)"""
