@@ -12,8 +12,8 @@ from ..compat.torch import is_compiled
 from ..micro import micro_batching, micro_size
 from .precise import training_items, update_bn_stats
 from ..core.distributed import fsdp_modules, process_count, sync_batchnorm_world
-from ..core.protocols import (SaysPickled, CANCELS, ResumeSignature, RunningStatsPolicy, add_fit_guard, in_inference,
-                              one_per_learner, refuse_at_fit_start, remove_fit_guard)
+from ..core.protocols import (CANCELS, ResumeSignature, RunningStatsPolicy, SaysPickled, add_fit_guard, in_inference,
+                              one_per_learner, refuse_at_fit_start, remove_fit_guard, user_stacklevel)
 from .modes import BN_MODES, BN_OPTIONS, Freeze, Groups, Renorm
 from .norm_layers import BatchRenorm, bn_to_batchrenorm, bn_to_groupnorm, is_batchnorm, is_converted_norm, set_norm_mode
 from .window_stats import WINDOW_MODES, WindowMode
@@ -126,7 +126,7 @@ class Frozen(_Mode):
             for p in ps: p.requires_grad_(False)
         if any(bn.running_mean is None for bn in bns):
             warnings.warn("BatchNormAccumulation('freeze'): BatchNorm layers with track_running_stats=False have no "
-                          "running statistics and keep normalising with batch statistics", stacklevel=4)
+                          "running statistics and keep normalising with batch statistics", stacklevel=user_stacklevel())
     def before_train(self):
         # after `TrainEvalCallback` put the whole model in train mode; the layers' own mode only (a timm norm-act
         # layer's DropBlock and activation train as they would without this callback)
@@ -314,7 +314,7 @@ class BatchNormAccumulation(SaysPickled, Callback, RunningStatsPolicy, ResumeSig
 
     def _warn_none(self):
         if not self._warned: warnings.warn(f"BatchNormAccumulation(mode={self.mode!r}): the model has no BatchNorm "
-                                           "layer; nothing changed", stacklevel=2)
+                                           "layer; nothing changed", stacklevel=user_stacklevel())
         self._warned = True
 
     def _restore(self):

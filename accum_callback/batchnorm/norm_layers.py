@@ -8,6 +8,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 
 from ..compat.torch import BatchNormBase, foreach, module_dicts
 from ..core.args import whole_number
+from ..core.protocols import user_stacklevel
 
 __all__ = ['BatchRenorm', 'BatchRenorm1d', 'BatchRenorm2d', 'BatchRenorm3d', 'BatchRenormAct', 'BatchRenormAct2d',
            'ConvertedGroupNormAct', 'bn_to_groupnorm', 'bn_to_batchrenorm', 'is_batchnorm', 'is_converted_norm',
@@ -96,9 +97,10 @@ def bn_to_groupnorm(
         return set_norm_mode(gn, bn.training)   # (its drop and act keep their own mode)
     res = _convert(module, fn)
     if stats: warnings.warn(f"bn_to_groupnorm: running statistics of {len(stats)} BatchNorm layer(s) (e.g. {stats[0]}) "
-                            "are discarded: GroupNorm normalises with per-sample statistics only", stacklevel=2)
+                            "are discarded: GroupNorm normalises with per-sample statistics only",
+                            stacklevel=user_stacklevel())
     if single: warnings.warn(f"bn_to_groupnorm: {single} got one channel per group: on (N,C) input such a GroupNorm "
-                             "outputs only its bias; give a smaller `num_groups`", stacklevel=2)
+                             "outputs only its bias; give a smaller `num_groups`", stacklevel=user_stacklevel())
     return res
 
 class BatchRenorm(BatchNormBase):

@@ -27,6 +27,7 @@ from ..core.losses import loss_reduction, micro_items
 from ..micro import micro_batching
 from ..micro.pieces import piece_bounds, slice_batch
 from .precise import pooled_moments
+from ..core.protocols import user_stacklevel
 
 __all__ = ['WINDOW_MODES', 'WINDOW_EXACT_MAX_LAYERS', 'WindowStats', 'WindowMode', 'window_bn_layers',
            'window_is_exact']
@@ -304,7 +305,7 @@ class WindowMode:
                           f"{WINDOW_EXACT_MAX_LAYERS}: the approximate variant is in force (window statistics in the "
                           "forward; the backward's statistics terms from each micro-batch's own sums), as "
                           "'window-approx'",
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
         self.ws = WindowStats(bns, exact)
         self.mb = micro_batching(self.cb.learn)
 

@@ -12,8 +12,8 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.fp16 import MixedPrecision
 
 from ..core.distributed import is_ddp, is_distributed, is_fsdp, sum_over_ranks
-from ..core.protocols import (CANCELS, ResumeSignature, Listeners, SaysPickled, add_fit_guard, in_inference,
-                              one_per_learner, refuse_at_fit_start, remove_fit_guard, window_owner)
+from ..core.protocols import (CANCELS, Listeners, ResumeSignature, SaysPickled, add_fit_guard, in_inference,
+                              one_per_learner, refuse_at_fit_start, remove_fit_guard, user_stacklevel, window_owner)
 from ..core.args import NotWholeNumber, flag, whole_number
 from .inference import InferenceCutter
 from .loader import CutLoader, MicroBatches
@@ -238,7 +238,7 @@ class MicroBatching(SaysPickled, Callback, ResumeSignature):
             p['stage'] = 'done'
             if self.size == small:
                 warnings.warn(f"GradientAccumulation: micro-batch {small} ran at {rate:.0f} items/s against "
-                              f"{p['size']}'s {p['rate_a']:.0f}: micro_bs is now {small}", stacklevel=2)
+                              f"{p['size']}'s {p['rate_a']:.0f}: micro_bs is now {small}", stacklevel=user_stacklevel())
             else: self._resize_epoch()
 
     def halve(self, msg:str):
@@ -252,7 +252,7 @@ class MicroBatching(SaysPickled, Callback, ResumeSignature):
         self.loader.retry = True
         self._resize_epoch()
         warnings.warn(f"GradientAccumulation: out of memory with micro-batch {size} ({msg}); micro_bs is now "
-                      f"{self.size}, and the same samples run again", stacklevel=3)
+                      f"{self.size}, and the same samples run again", stacklevel=user_stacklevel())
 
     def _resize_epoch(self):
         "The size changed mid-epoch: fastai's `n_iter` (schedules, ShortEpochCallback) and the progress bar follow it"

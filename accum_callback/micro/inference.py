@@ -12,6 +12,7 @@ from ..core.losses import loss_items, loss_reduction, model_loss, own_loss_items
 from .pieces import (batch_size, cat_outputs, first_line, halved, is_out_of_memory, mapping_like, piece_bounds,
                      slice_batch)
 from .state import RowStates, stateful_modules
+from ..core.protocols import user_stacklevel
 
 __all__ = ['InferenceCutter']
 
@@ -61,7 +62,7 @@ class InferenceCutter:
             self.size = halved(cur)
             warnings.warn(f"GradientAccumulation: out of memory in inference with a batch of {cur} ({msg}); inference "
                           f"batches are now cut into pieces of {self.size} (training keeps micro_bs {self.train_size})",
-                          stacklevel=2)
+                          stacklevel=user_stacklevel())
 
     def _forward_pieces(self, fwd, args, kw, n:int, size:int):
         "The model's outputs of the batch's pieces, joined; a stateful model runs each piece from its own rows"

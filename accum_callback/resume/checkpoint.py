@@ -20,8 +20,8 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
 
 from ..core.distributed import reduce_floats, is_distributed, process_count, process_rank
-from ..core.protocols import (SaysPickled, CANCELS, StopSignals, add_fit_guard, fail_fit, in_inference, refuse_at_fit_start,
-                              remove_fit_guard, window_owner)
+from ..core.protocols import (CANCELS, SaysPickled, StopSignals, add_fit_guard, fail_fit, in_inference,
+                              refuse_at_fit_start, remove_fit_guard, user_stacklevel, window_owner)
 from ..core.loaders import ReadAhead, can_skip, feed_of, inner_loader, is_last_batch, piece_of
 # _MAGIC, read_...)
 from .format import (MAGIC, AsJson, CheckpointError, Plain, json_normal, UnsafeCheckpoint, packed_state, plain_state,
@@ -243,17 +243,17 @@ class Checkpoint(SaysPickled, Callback):
         if err or e:
             last = self.file(self.saved[-1], process_rank()) if self.saved else None
             warnings.warn(f"Checkpoint: could not write {f} ({type(err or e).__name__}: {err or e}); training goes on, the last "
-                          f"good checkpoint is {last or 'none yet'}, the next one due tries again", stacklevel=3)
+                          f"good checkpoint is {last or 'none yet'}, the next one due tries again", stacklevel=user_stacklevel())
         if process_count() > 1:   # a checkpoint counts once every rank wrote its file (after an exception on some: not
             if not together: return   # known, so nothing is counted or removed)
             dist.barrier()
         if err or e: return
         if keep is not None and (x := keep_copy(f, keep)) is not None:   # this fit's end, kept for a re-run
-            warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({x}): a re-run of it will not be restored", stacklevel=3)
+            warnings.warn(f"Checkpoint: could not keep this fit's end in {self.folder} ({x}): a re-run of it will not be restored", stacklevel=user_stacklevel())
         self.saved.append(serial)
         # (one process: removed in the write's job; one that cannot be removed is said, training goes on)
         for s,x in (out[1] if process_count() == 1 else self._remove_old()):
-            warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(x).__name__}: {x}); training goes on", stacklevel=3)
+            warnings.warn(f"Checkpoint: could not remove the old checkpoint {s} in {self.folder} ({type(x).__name__}: {x}); training goes on", stacklevel=user_stacklevel())
 
     def _remove_old(self)->list: return remove_old(self._serials(), self.keep, lambda s: (self.file(s, process_rank()).unlink(missing_ok=True), remove_sharded(self.folder, f'ckpt-{s:06d}.dcp')))
 
@@ -275,7 +275,7 @@ class Checkpoint(SaysPickled, Callback):
                     check_fit_state(mine := read_checkpoint(self.file(s, process_rank())), self.learn, self, self.file(s, process_rank()))
                 ok = 1.
             except (CheckpointError, ValueError, OSError, RuntimeError, EOFError) as e:
-                warnings.warn(f"Checkpoint: passed over {f}, which cannot be resumed ({str(e)[:300]}); trying the one before", stacklevel=2)
+                warnings.warn(f"Checkpoint: passed over {f}, which cannot be resumed ({str(e)[:300]}); trying the one before", stacklevel=user_stacklevel())
                 st,mine,ok = None,None,0.
             if process_count() > 1: ok = reduce_floats([ok], dist.ReduceOp.MIN)[0]
             if ok: return s,st,mine
@@ -302,7 +302,7 @@ class Checkpoint(SaysPickled, Callback):
             warnings.warn(f"Checkpoint: this fit finished before ({self.resumed_from}): nothing is trained, the model is as it ended; "
                           f"{_OWN_RUN}" if st is not None else "Checkpoint: this fit "
                           "finished before a later fit's checkpoint, and no record of its end is kept: nothing is trained and the model "
-                          f"is NOT as it ended; {_OWN_RUN}", stacklevel=2)
+                          f"is NOT as it ended; {_OWN_RUN}", stacklevel=user_stacklevel())
             return
         if sig['fit'] < now['fit']: return   # (an earlier fit's: this one starts afresh)
         refuse_changes(sig, now, self.resumed_from, self.strict)

@@ -13,7 +13,7 @@ from fastai.torch_core import to_device
 from .format import CheckpointError, reshard
 from ..compat.torch import local_tensor, rng_states, set_rng_states
 from ..core.distributed import unwrap
-from ..core.protocols import resume_keys, resume_signatures
+from ..core.protocols import resume_keys, resume_signatures, user_stacklevel
 from ..compat.fastai import train_metrics
 from ..micro.state import stateful_modules
 
@@ -34,7 +34,7 @@ def refuse_changes(old:dict, new:dict, f, strict:bool=True):
     if strict:
         raise CheckpointError(f"Checkpoint: cannot resume {f} exactly, {what}. Run the fit as it was, "
                               "start afresh with Checkpoint(..., resume=False) or another `path`, or accept it with strict=False")
-    warnings.warn(f"Checkpoint: resuming {f} with {what} (strict=False): not the run it would have been", stacklevel=4)
+    warnings.warn(f"Checkpoint: resuming {f} with {what} (strict=False): not the run it would have been", stacklevel=user_stacklevel())
 
 def _say_change(k:str, old, new)->str:
     "One changed key of a fit's signature in words: a schedule or hyper-parameters by the values that changed, not whole"

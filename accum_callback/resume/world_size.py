@@ -15,7 +15,7 @@ from ..compat.torch import rng_states
 from ..core.distributed import is_fsdp, process_count, process_rank
 from .fit_state import callback_states
 from ..window.global_window import global_samples, rank_batches, window_ends
-from ..core.protocols import RunningStatsPolicy, trained_bn_layers
+from ..core.protocols import RunningStatsPolicy, trained_bn_layers, user_stacklevel
 
 __all__ = ['is_elastic', 'loader_signature', 'save_waits', 'source_rank', 'elastic_state', 'batches_in_world',
            'say_what_differs', 'RankDraws']
@@ -117,7 +117,7 @@ def say_what_differs(learn, old:int, new:int):
         warnings.warn(f"Checkpoint: resumed on {new} process(es) from {old}: {len(bns)} BatchNorm layer(s) update "
                       f"their running statistics on each rank's micro-batches (mode {mode!r}), so those statistics are "
                       f"not the uninterrupted run's ({weights}; "
-                      f"'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=2)
+                      f"'pool', 'freeze' and 'groupnorm' keep both: {_MEASURED})", stacklevel=user_stacklevel())
     learn.add_cb(RankDraws(old, new))
 
 class RankDraws(Callback):
@@ -135,7 +135,7 @@ class RankDraws(Callback):
             warnings.warn(f"Checkpoint: resumed on {self.new} process(es) from {self.old}: training draws random "
                           "numbers (dropout, random transforms), which each rank draws for its own micro-batches, so "
                           f"this is not the uninterrupted run (the samples of each window are): {_MEASURED}",
-                          stacklevel=2)
+                          stacklevel=user_stacklevel())
         self.learn.remove_cb(self)
     def after_batch(self): self.last = rng_states()
     def after_fit(self):

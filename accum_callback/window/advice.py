@@ -8,6 +8,7 @@ from ..core.distributed import is_fsdp
 from ..core.losses import counting_note
 from ..core.loaders import batch_sizes
 from .schedule import windows_started
+from ..core.protocols import user_stacklevel
 
 __all__ = ['warn_at_fit_start', 'warn_counting']
 
@@ -21,7 +22,7 @@ def warn_at_fit_start(ga, bs):
     if t and bs and t > bs and t % bs and 'window' not in ga.said:
         warnings.warn(f"GradientAccumulation: micro-batch size {bs} does not divide target_bs={t}: windows close at "
                       f"the first micro-batch reaching it ({math.ceil(t/bs)*bs} items); each step is still the exact "
-                      "mean gradient of its window", stacklevel=3)
+                      "mean gradient of its window", stacklevel=user_stacklevel())
         ga.said.add('window')
 
 def _ported(ga, bs):
@@ -42,7 +43,7 @@ def _ported(ga, bs):
                       f"window of {name}={sc.constant}: every window is the whole epoch, cut short at its end "
                       f"({partial_said(ga.plan.partial)}), {steps(sc.constant, by_items)} optimizer step(s) an epoch. "
                       f"Give a smaller {name} (at most {len(sizes) if not by_items else sum(sizes)}), or "
-                      "partial='carry' to carry each window over the epoch's end", stacklevel=3)
+                      "partial='carry' to carry each window over the epoch's end", stacklevel=user_stacklevel())
         ga.said.add('window')
         return
     if units*2 > len(sizes) >= 8:   # a toy epoch of a few batches is a test or a demo, not a ported count
@@ -50,7 +51,7 @@ def _ported(ga, bs):
                       f"epoch's {len(sizes)} loader batches: {steps(sc.constant, by_items)} optimizer step(s) an "
                       "epoch. If that is not what you meant (fastai's count is samples, n_acc=; ours n_step= counts "
                       "batches), give a smaller one",
-                      stacklevel=3)
+                      stacklevel=user_stacklevel())
         ga.said.add('window')
 
 def partial_said(partial)->str:
@@ -69,7 +70,7 @@ def _not_large_batch(ga):
         warnings.warn("GradientAccumulation: spectral_norm "
                       f"({spectral[0]}{' and others' if len(spectral) > 1 else ''}) runs its power iteration at every "
                       "training forward: k micro-batches run it k times where one batch runs it once, so a window is "
-                      "not exactly the large batch (small; docs/fastai.md)", stacklevel=3)
+                      "not exactly the large batch (small; docs/fastai.md)", stacklevel=user_stacklevel())
         ga.said.add('layers')
 
 def _nothing_accumulates(ga, bs):
@@ -89,7 +90,7 @@ def _nothing_accumulates(ga, bs):
                f"For steps of {t} items, load batches smaller than {t}; for steps of several batches, give a larger "
                f"{name} or n_step")
     if msg:
-        warnings.warn(f"GradientAccumulation: {msg}", stacklevel=3)
+        warnings.warn(f"GradientAccumulation: {msg}", stacklevel=user_stacklevel())
         ga.said.add('window')
 
 def _sharded_by_hand(ga):
@@ -98,7 +99,7 @@ def _sharded_by_hand(ga):
     if 'fsdp' in ga.said or not is_fsdp(learn.model) or 'save' in learn.__dict__: return
     warnings.warn("GradientAccumulation: the model is sharded with FSDP2 outside `learn.to_fsdp()`, so `learn.save`, "
                   "`load` and `export` are fastai's, which write and read one rank's shard: call "
-                  "`learn.fsdp_checkpoints()` once for files of the whole model", stacklevel=3)
+                  "`learn.fsdp_checkpoints()` once for files of the whole model", stacklevel=user_stacklevel())
     ga.said.add('fsdp')
 
 def warn_counting(ga):
@@ -107,4 +108,4 @@ def warn_counting(ga):
     loss)"""
     ga.said.add('count')
     note = counting_note(ga.learn, ga.n_items)
-    if note: warnings.warn(f"GradientAccumulation: {note}", stacklevel=3)
+    if note: warnings.warn(f"GradientAccumulation: {note}", stacklevel=user_stacklevel())

@@ -2,6 +2,7 @@
 plot"""
 from __future__ import annotations
 import warnings
+from ..core.protocols import user_stacklevel
 
 __all__ = ['WindowLog', 'LOGS']
 
@@ -28,7 +29,7 @@ class WindowLog:
         "Said at the end of a fit that dropped windows for a non-finite loss"
         if self.n_skipped:
             warnings.warn(f"GradientAccumulation: {self.n_skipped} window(s) dropped because a micro-batch gave a "
-                          "non-finite loss", stacklevel=3)
+                          "non-finite loss", stacklevel=user_stacklevel())
 
     def logs_state(self)->dict: return {k: getattr(self, k) for k in LOGS}
     def load_logs(self, sd:dict):
