@@ -171,16 +171,17 @@ def _image_cache()->Path:
     return cache_dir()/'images'
 
 def export(learn, fname, cached:bool=False):
-    """`learn.export` for fastai's `load_learner(fname).predict(image_file)`, without our callbacks (training's: the
-    file loads where accum_callback is not installed): with cached data, the Learner keeps an inference pipeline from
-    image files instead (decode, resize, normalise: `cache.inference_dls`)"""
-    from accum_callback.core.protocols import is_ours
+    """`learn.export` for fastai's `load_learner(fname).predict(image_file)`, without training's callbacks (ours and the
+    job's); it loads where this package is installed (the default model and the cached data's pipeline are the job's).
+    With cached data, the Learner keeps an inference pipeline from image files instead (decode, resize, normalise:
+    `cache.inference_dls`)"""
+    training = [cb for cb in learn.cbs if type(cb).__module__.split('.')[0] in ('accum_callback', 'accum_finetune')]
     dls = learn.dls
     if cached:
         from .cache import inference_dls
         learn.dls = inference_dls(*dls.inference)
     try:
-        with learn.removed_cbs([cb for cb in learn.cbs if is_ours(cb)]): learn.export(fname)
+        with learn.removed_cbs(training): learn.export(fname)
     finally: learn.dls = dls
 
 def _run(args)->int:

@@ -247,9 +247,9 @@ if FastaiAccumulationCheck not in defaults.callbacks: defaults.callbacks.append(
 
 def is_ours(obj)->bool: return type(obj).__module__.split('.')[0] == 'accum_callback'
 
-# where a line is not the user's: our package and the libraries it runs under
+# where a line is not the user's: our package and the libraries it runs under (cloudpickle: fastai 2.8's `export`)
 _THEIRS = tuple(os.path.dirname(os.path.abspath(sys.modules[m].__file__)) + os.sep
-                for m in ('fastai', 'fastcore', 'torch', __name__.split('.')[0]))
+                for m in ('fastai', 'fastcore', 'torch', 'cloudpickle', __name__.split('.')[0]) if m in sys.modules)
 
 def user_stacklevel()->int:
     """The `stacklevel` of a warning said from here that names the line of the user's code which led to it: the first
@@ -282,9 +282,14 @@ def say_pickled(learn):
     fix = (f"its model holds accum_callback's {', '.join(layers)} too: load it where accum_callback is installed"
            if layers else "to load it without accum_callback, export without ours: "
                           f"`with learn.removed_cbs([{ours}]): learn.export()`")
-    warnings.warn(f"The Learner is pickled (learn.export) with accum_callback's callbacks on it: load_learner needs "
-                  f"accum_callback installed where it loads (without it fastai answers UnboundLocalError); {fix}",
-                  stacklevel=user_stacklevel())
+    msg = (f"The Learner is pickled (learn.export) with accum_callback's callbacks on it: load_learner needs "
+           f"accum_callback installed where it loads (without it fastai answers UnboundLocalError); {fix}")
+    # fastai's `export` pickles under a blanket `simplefilter('ignore')` (for torch's notices): said through that,
+    # not through a filter that names this message
+    silenced = any(f[0] == 'ignore' and f[1] is not None and f[1].match(msg) for f in warnings.filters)
+    with warnings.catch_warnings():
+        if not silenced: warnings.simplefilter('default')
+        warnings.warn(msg, stacklevel=user_stacklevel())
 
 def refuse_accumulation_conflicts(learn):
     "What accumulation cannot run with: fastai's own callback beside it, FSDP1, CUDA graphs"
