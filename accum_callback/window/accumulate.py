@@ -53,9 +53,8 @@ class GradientAccumulation(SaysPickled, Callback, WindowOwner, ResumeSignature, 
         if args: raise TypeError(f"GradientAccumulation({', '.join(map(repr, args))}): name the window: "
                                  f"`n_step=` (micro-batches a step) or `target_bs=` (items a step)")
         if n_step is None and target_bs is None:
-            raise TypeError("GradientAccumulation needs its window: give `n_step=` (micro-batches a step) or "
-                            "`target_bs=` (items a step); `cbs=GradientAccumulation`, the class, makes one with none: "
-                            "pass `GradientAccumulation(n_step=8)`")
+            raise TypeError("GradientAccumulation needs its window: `n_step=` (micro-batches a step) or `target_bs=` "
+                            "(items); `cbs=GradientAccumulation`, the class, gives none: `GradientAccumulation(n_step=8)`")
         self.plan = WindowPlan(n_step, target_bs, partial, global_window=global_window)
         self.n_items,self.skip_nonfinite = check_n_items(n_items),flag(skip_nonfinite, 'skip_nonfinite')
         self.sync = SyncPolicy()
