@@ -175,7 +175,8 @@ def export(learn, fname, cached:bool=False):
     job's); it loads where this package is installed (the default model and the cached data's pipeline are the job's).
     With cached data, the Learner keeps an inference pipeline from image files instead (decode, resize, normalise:
     `cache.inference_dls`)"""
-    training = [cb for cb in learn.cbs if type(cb).__module__.split('.')[0] in ('accum_callback', 'accum_finetune')]
+    from accum_callback.core.protocols import is_ours
+    training = [cb for cb in learn.cbs if is_ours(cb) or type(cb).__module__.startswith('accum_finetune.')]
     dls = learn.dls
     if cached:
         from .cache import inference_dls

@@ -220,7 +220,7 @@ def refuse_at_fit_start(learn):
     for cb in learn.cbs:   # fastai's `remove_cb` of a refused `fit(cbs=[twin])` deleted the name the two shared
         if _own_class(cb) is not None and learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
 
-def say_fastai_accumulation(learn, stacklevel:int|None=None):
+def say_fastai_accumulation(learn):
     """fastai's `GradientAccumulation` where ours is not on the Learner: the name was fastai's when the callback was
     made (`from fastai.vision.all import *` after `from accum_callback import ...` rebinds it), said before it trains
     inexactly: as the Learner is made (`FastaiAccumulationCheck`), or by the first of our callbacks to start the fit"""
@@ -231,7 +231,7 @@ def say_fastai_accumulation(learn, stacklevel:int|None=None):
             "import *` after `from accum_callback import GradientAccumulation` rebinds the name to fastai's. Import "
             "accum_callback after fastai's star import, or call learn.accumulate(n_acc=...), which puts ours in its "
             "place",
-            stacklevel=stacklevel or user_stacklevel())
+            stacklevel=user_stacklevel())
 
 class FastaiAccumulationCheck(Callback):
     """In fastai's `defaults.callbacks` once accum_callback is loaded (as fastai adds its `ProgressCallback`): each new

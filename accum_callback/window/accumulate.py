@@ -12,8 +12,8 @@ from fastcore.basics import patch
 
 from ..core.distributed import SyncPolicy, check_fsdp, is_distributed, sum_over_ranks
 from ..compat.torch import BatchNormBase
-from ..core.protocols import (SaysPickled, Listeners, ResumeSignature, WindowOwner, add_fit_guard, in_inference, one_per_learner,
-                               refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard,
+from ..core.protocols import (Listeners, ResumeSignature, SaysPickled, WindowOwner, add_fit_guard, in_inference,
+                               one_per_learner, refuse_accumulation_conflicts, refuse_at_fit_start, remove_fit_guard,
                                RunningStatsPolicy)
 from ..core.losses import check_n_items, count_dtype, loss_reduction, micro_items
 from ..micro import MicroBatching, micro_batching
